@@ -1,0 +1,19 @@
+"""qkv: exact attention for Python — one meaning, many fast implementations.
+
+    import qkv
+    out = qkv.attention(q, k, v, qkv.causal())             # (..., Hq, Lq, Dv)
+    out, w = qkv.scaled_dot_product_attention(q, k, v)     # the seed's door
+"""
+from .api import attention, attention_weights, explain, scaled_dot_product_attention
+from .dispatch import BackendError
+from .masks import (EMPTY, FULL, PARTIAL, Mask, ScoreMod, alibi, causal, dense_mask, document, mask_fn,
+                    padding, prefix_lm, score_fn, softcap, window)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "attention", "attention_weights", "explain", "scaled_dot_product_attention", "BackendError",
+    "Mask", "ScoreMod", "EMPTY", "PARTIAL", "FULL",
+    "causal", "window", "padding", "document", "prefix_lm", "mask_fn", "dense_mask",
+    "alibi", "softcap", "score_fn",
+]

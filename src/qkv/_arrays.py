@@ -1,0 +1,107 @@
+"""Tiny helpers that let one piece of code run on NumPy arrays and torch tensors.
+
+Only what qkv needs: recognise the kind of an array, and move parameter arrays
+(mask lengths, segment ids, slopes, ...) next to the arrays they combine with.
+torch is never imported here unless the caller already holds a torch tensor.
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+
+def is_torch(x) -> bool:
+    """True for a torch.Tensor, without importing torch."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def kind_of(x) -> str | None:
+    """'numpy', 'torch' or None for anything else."""
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    if is_torch(x):
+        return "torch"
+    return None
+
+
+def namespace(x):
+    """The module whose functions (exp, where, tanh, ...) apply to x."""
+    if is_torch(x):
+        import torch
+
+        return torch
+    return np
+
+
+def like(values, x):
+    """`values` (a NumPy array or torch tensor) as an array of x's kind, on x's device.
+
+    No copy when it already is one.
+    """
+    if is_torch(x):
+        import torch
+
+        return torch.as_tensor(values, device=x.device)
+    return to_numpy(values)
+
+
+def cast_like(values, x):
+    """`values` (already of x's kind) in x's dtype."""
+    return values.to(x.dtype) if is_torch(x) else values.astype(x.dtype, copy=False)
+
+
+def to_numpy(x) -> np.ndarray:
+    """A NumPy view or copy of x (torch tensors are detached and moved to the CPU)."""
+    if is_torch(x):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def arange_like(n: int, x):
+    """int64 indices 0..n-1 of x's kind and device."""
+    if is_torch(x):
+        import torch
+
+        return torch.arange(n, device=x.device)
+    return np.arange(n)
+
+
+def broadcast_to(x, shape):
+    """A broadcast view of x (NumPy or torch) with the given shape."""
+    return x.expand(shape) if is_torch(x) else np.broadcast_to(x, shape)
+
+
+def amax_last(x):
+    """Max over the last dim, kept (NaN propagates)."""
+    return x.amax(dim=-1, keepdim=True) if is_torch(x) else x.max(axis=-1, keepdims=True)
+
+
+def sum_last(x):
+    """Sum over the last dim, kept."""
+    return x.sum(dim=-1, keepdim=True) if is_torch(x) else x.sum(axis=-1, keepdims=True)
+
+
+def repeat_heads(x, group: int):
+    """(B, Hkv, L, D) -> (B, Hkv*group, L, D): each kv head serves `group` query heads."""
+    if group == 1:
+        return x
+    return x.repeat_interleave(group, dim=1) if is_torch(x) else np.repeat(x, group, axis=1)
+
+
+def sum_groups(x, group: int):
+    """(B, Hkv*group, L, D) -> (B, Hkv, L, D): add up the gradients of heads sharing a kv head."""
+    if group == 1:
+        return x
+    b, h, l, d = x.shape
+    return x.reshape(b, h // group, group, l, d).sum(2 if is_torch(x) else 2)
+
+
+def astype(x, dtype_name: str):
+    """x in the named dtype ('float32', 'bfloat16', ...)."""
+    if is_torch(x):
+        import torch
+
+        return x.to(getattr(torch, dtype_name))
+    return x.astype(dtype_name, copy=False)

@@ -1,0 +1,1 @@
+"""Backends: one module each, registered in qkv.dispatch."""

@@ -1,0 +1,171 @@
+"""What every backend shares: capabilities as data, refusals that explain themselves,
+tile classes per row, counter-based dropout and the tile counter used by tests."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import _arrays
+from ..masks import EMPTY, FULL, PARTIAL, tile_indices
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    kinds: tuple  # array kinds it takes: "numpy", "torch"
+    devices: tuple  # device types ("cpu", "cuda"); empty means any
+    dtypes: tuple
+    max_head_dim: int | None = None
+    masks: bool = True  # every mask and score modifier of the language
+    gradients: bool = False  # torch autograd through it
+    dropout: bool = False
+    materializes: bool = False  # holds the Lq x Lk matrix (never chosen automatically)
+
+
+class Backend:
+    """A way to compute attention. Subclasses set `name`, `caps` and implement `forward`."""
+
+    name = "?"
+    caps: Capabilities
+    automatic = True  # may `backend=None` pick it
+
+    def missing(self) -> str | None:
+        """Why this backend cannot run at all here (a library is missing), or None."""
+        return None
+
+    def unsupported(self, inp) -> list[str]:
+        """Reasons this backend cannot run this call; empty means it can."""
+        missing = self.missing()
+        if missing:
+            return [missing]
+        caps, reasons = self.caps, []
+        if inp.kind not in caps.kinds:
+            reasons.append(f"takes {' or '.join(caps.kinds)} arrays, got {inp.kind}")
+        device_type = inp.device.split(":")[0]
+        if caps.devices and device_type not in caps.devices:
+            reasons.append(f"runs on {'/'.join(caps.devices)}, inputs are on {inp.device}")
+        if inp.dtype not in caps.dtypes:
+            reasons.append(f"supports {', '.join(caps.dtypes)}, got {inp.dtype}")
+        if caps.max_head_dim and max(inp.D, inp.Dv) > caps.max_head_dim:
+            reasons.append(f"head dims up to {caps.max_head_dim}, got D={inp.D}, Dv={inp.Dv}")
+        if inp.needs_grad and not caps.gradients:
+            reasons.append("no autograd support (inputs require grad)")
+        if inp.dropout_p > 0 and not caps.dropout:
+            reasons.append("no dropout")
+        if (inp.mask is not None or inp.score_mods) and not caps.masks:
+            reasons.append("no masks or score modifiers")
+        return reasons + self.extra_reasons(inp)
+
+    def extra_reasons(self, inp) -> list[str]:
+        return []
+
+    def forward(self, inp):
+        """(out (B, Hq, Lq, Dv), lse (B, Hq, Lq)) of the inputs' kind."""
+        raise NotImplementedError
+
+    def workspace_bytes(self, inp) -> int:
+        """Extra memory this backend needs beyond inputs and outputs (an estimate)."""
+        raise NotImplementedError
+
+    def __repr__(self):
+        return f"<qkv backend {self.name}>"
+
+
+def compute_dtype_name(dtype: str) -> str:
+    """Low precision accumulates in float32; float64 stays float64."""
+    return "float64" if dtype == "float64" else "float32"
+
+
+# --------------------------------------------------------------------------------------
+# Tile classes per row: a row is one (batch, kv head) pair holding its `group` query heads
+# --------------------------------------------------------------------------------------
+def row_tile_classes(inp, block_q: int, block_k: int):
+    """Tile classes (B*Hkv, nq, nk) for the rows of a tiled kernel, or None when no mask.
+
+    A row's tile is EMPTY only if it is empty for all its query heads and FULL only if
+    full for all of them.
+    """
+    if inp.mask is None:
+        return None
+    blocks = inp.mask.blocks(inp.Lq, inp.Lk, block_q, block_k, batch=inp.B, heads=inp.Hq)
+    nq, nk = blocks.shape[-2:]
+    per_head = np.broadcast_to(blocks, (inp.B, inp.Hq, nq, nk)).reshape(inp.B, inp.Hkv, inp.group, nq, nk)
+    empty = (per_head == EMPTY).all(axis=2)
+    full = (per_head == FULL).all(axis=2)
+    classes = np.where(empty, EMPTY, np.where(full, FULL, PARTIAL)).astype(np.int8)
+    return classes.reshape(inp.B * inp.Hkv, nq, nk)
+
+
+class TileCounter:
+    """Counts (row, query tile, key tile) units a kernel computed and masked (for tests)."""
+
+    def __init__(self):
+        self.computed = 0
+        self.masked = 0
+
+
+#: Set to a TileCounter to count tiles (tests do this); None costs nothing.
+tile_counter: TileCounter | None = None
+
+
+def count_tiles(computed: int, masked: int) -> None:
+    if tile_counter is not None:
+        tile_counter.computed += computed
+        tile_counter.masked += masked
+
+
+# --------------------------------------------------------------------------------------
+# Dropout from a counter-based hash: the keep decision for (b, h, i, j) depends only on
+# the seed and the indices, so forward and backward, tiled or not, NumPy or torch,
+# all drop exactly the same entries.
+# --------------------------------------------------------------------------------------
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x):
+    """The murmur3 32-bit finaliser in int64 arithmetic (NumPy or torch)."""
+    x = x & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _M32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _M32
+    return x ^ (x >> 16)
+
+
+def dropout_keep(seed: int, dropout_p: float, heads: int, b, h, qi, ki):
+    """Boolean keep mask for broadcast indices (b, h, qi, ki): True with probability 1 - p."""
+    x = _mix32(_mix32(b * heads + h) ^ ((seed ^ (seed >> 32)) & _M32))
+    x = _mix32(x ^ qi)
+    x = _mix32((x + ki * 0x9E3779B1) & _M32)
+    threshold = int(round((1.0 - dropout_p) * (1 << 24)))
+    return (x >> 8) < threshold
+
+
+def dropout_scale_tile(inp, b, h, qi, ki, like):
+    """Keep mask / (1 - p) for a tile, as float in like's dtype (None when no dropout)."""
+    if inp.dropout_p == 0:
+        return None
+    keep = dropout_keep(inp.seed, inp.dropout_p, inp.Hq, b, h, qi, ki)
+    return _arrays.cast_like(keep, like) * (1.0 / (1.0 - inp.dropout_p))
+
+
+def group_tile_indices(like, row_b, kv_head, group: int, q0, q1, k0, k1):
+    """Indices for the `group` query heads of kv head `kv_head` in batch row(s) `row_b`."""
+    heads = np.arange(kv_head * group, (kv_head + 1) * group)
+    return tile_indices(like, row_b, heads, q0, q1, k0, k1)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def nbytes(dtype: str) -> int:
+    return {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+
+
+def tile_workspace(rows_at_once: int, block_q: int, block_k: int, group: int, d: int, dv: int, dtype: str) -> int:
+    """Bytes of a tiled kernel's live temporaries: score tiles (x3 for exp/mask), accumulators."""
+    c = nbytes(compute_dtype_name(dtype))
+    scores = 3 * rows_at_once * group * block_q * block_k * c
+    accum = rows_at_once * group * block_q * (dv + d + 3) * c
+    return int(scores + accum)

@@ -1,0 +1,83 @@
+"""The NumPy backend: tiled online softmax (the FlashAttention algorithm), O(N) extra memory.
+
+For each row (batch, kv head) and query tile, it walks the key tiles keeping a running
+row max m, a running sum l and an unnormalised output acc; each new tile rescales them
+by exp(m_old - m_new). Nothing of size Lq x Lk is ever held. Work items (row, query tile)
+run on a thread pool: NumPy's matmul releases the GIL.
+"""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from ..masks import EMPTY
+from .base import Backend, Capabilities, cdiv, compute_dtype_name, row_tile_classes, tile_workspace
+from .tiling import TileRule, partial_flags
+
+_pool: ThreadPoolExecutor | None = None
+
+
+def _threads() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="qkv")
+    return _pool
+
+
+class NumpyBackend(Backend):
+    name = "numpy"
+    caps = Capabilities(kinds=("numpy",), devices=("cpu",), dtypes=("float64", "float32", "float16"), dropout=True)
+    block_q = 128
+    block_k = 512
+
+    def forward(self, inp):
+        cdt = compute_dtype_name(inp.dtype)
+        out = np.zeros((inp.B, inp.Hq, inp.Lq, inp.Dv), dtype=inp.dtype)
+        lse = np.full((inp.B, inp.Hq, inp.Lq), -np.inf, dtype=cdt)
+        classes = row_tile_classes(inp, self.block_q, self.block_k)  # (R, nq, nk) or None
+        work = [(r, t) for r in range(inp.B * inp.Hkv) for t in range(cdiv(inp.Lq, self.block_q))]
+        list(_threads().map(lambda rt: self._query_tile(inp, classes, cdt, out, lse, *rt), work))
+        return out, lse
+
+    def _query_tile(self, inp, classes, cdt, out, lse, r, t):
+        b, kv = divmod(r, inp.Hkv)
+        heads = slice(kv * inp.group, (kv + 1) * inp.group)
+        q0, q1 = t * self.block_q, min((t + 1) * self.block_q, inp.Lq)
+        n = inp.group * (q1 - q0)
+        q = (inp.q[b, heads, q0:q1].astype(cdt) * inp.scale).reshape(n, inp.D)  # (G*bq, D), scale folded in
+        m = np.full((n, 1), -np.inf, dtype=cdt)  # running row max
+        safe_m = np.zeros((n, 1), dtype=cdt)
+        l = np.zeros((n, 1), dtype=cdt)  # running sum of exp
+        acc = np.zeros((n, inp.Dv), dtype=cdt)  # running unnormalised output
+        for j in range(cdiv(inp.Lk, self.block_k)):
+            if classes is not None and classes[r, t, j] == EMPTY:
+                continue
+            k0, k1 = j * self.block_k, min((j + 1) * self.block_k, inp.Lk)
+            rule = TileRule(inp, [r], q0, q1, k0, k1, partial_flags(classes, [r], t, j), q)
+            s = rule.modify((q @ inp.k[b, kv, k0:k1].astype(cdt).T)[None])[0]  # (G*bq, bk)
+            allowed = rule.allowed()
+            if allowed is not None:
+                s = np.where(allowed[0], s, -np.inf)
+            m_new = np.maximum(m, s.max(axis=1, keepdims=True))
+            safe_m = np.where(m_new == -np.inf, 0, m_new)  # rows with nothing allowed yet
+            p = np.exp(s - safe_m)  # (G*bq, bk)
+            alpha = np.exp(m - safe_m)  # rescales what was summed under the old max
+            l = l * alpha + p.sum(axis=1, keepdims=True)
+            keep = rule.dropout(p[None])
+            if keep is not None:
+                p = p * keep[0]
+            acc = acc * alpha + p @ inp.v[b, kv, k0:k1].astype(cdt)
+            m = m_new
+        has_key = l > 0
+        out[b, heads, q0:q1] = np.where(has_key, acc / np.where(has_key, l, 1), 0).reshape(
+            inp.group, q1 - q0, inp.Dv)
+        lse[b, heads, q0:q1] = np.where(has_key, safe_m + np.log(np.where(has_key, l, 1)), -np.inf).reshape(
+            inp.group, q1 - q0)
+
+    def workspace_bytes(self, inp):
+        workers = min(os.cpu_count() or 1, max(1, inp.B * inp.Hkv * cdiv(inp.Lq, self.block_q)))
+        tiles = tile_workspace(workers, self.block_q, self.block_k, inp.group, inp.D, inp.Dv, inp.dtype)
+        lse = inp.B * inp.Hq * inp.Lq * (8 if inp.dtype == "float64" else 4)
+        return tiles + lse

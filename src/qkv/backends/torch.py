@@ -1,0 +1,248 @@
+"""The torch backend: the tiled online-softmax algorithm in torch ops, on any torch device.
+
+Forward walks query tiles and, inside, key tiles, for all rows (batch, kv head) at once;
+a tile that is EMPTY for some rows runs only on the others. It saves the log-sum-exp,
+and its own autograd backward (FlashAttention-2 style) recomputes each tile's
+probabilities as exp(score - lse) instead of storing Lq x Lk of anything.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..masks import EMPTY
+from .base import Backend, Capabilities, cdiv, compute_dtype_name, row_tile_classes, tile_workspace
+from .tiling import TileRule, partial_flags
+
+#: Score-tile elements (all rows together) the kernel aims for: big tiles mean fewer
+#: Python steps, small ones less memory.
+TILE_BUDGET = 1 << 21
+
+
+def choose_blocks(rows: int, group: int, Lq: int, Lk: int) -> tuple[int, int]:
+    block_q, block_k = 512, 1024
+    while rows * group * block_q * block_k > TILE_BUDGET and (block_q > 32 or block_k > 64):
+        if block_k >= 2 * block_q or block_q <= 32:
+            block_k //= 2
+        else:
+            block_q //= 2
+    return max(1, min(block_q, Lq)), max(1, min(block_k, Lk))
+
+
+class _Tiles:
+    """One call's tiling: block sizes, tile classes and the rows each tile runs on."""
+
+    def __init__(self, inp):
+        self.rows = inp.B * inp.Hkv
+        self.block_q, self.block_k = choose_blocks(self.rows, inp.group, inp.Lq, inp.Lk)
+        self.nq, self.nk = cdiv(inp.Lq, self.block_q), cdiv(inp.Lk, self.block_k)
+        self.classes = row_tile_classes(inp, self.block_q, self.block_k)  # (R, nq, nk) or None
+
+    def q_range(self, t, L):
+        return t * self.block_q, min((t + 1) * self.block_q, L)
+
+    def k_range(self, j, L):
+        return j * self.block_k, min((j + 1) * self.block_k, L)
+
+    def active(self, t, j):
+        """Rows to compute for tile (t, j): (numpy row ids, index tensor or None for all)."""
+        if self.classes is None:
+            return np.arange(self.rows), None
+        rows = np.flatnonzero(self.classes[:, t, j] != EMPTY)
+        return rows, (None if len(rows) == self.rows else rows)
+
+
+def _pick(x, sel):
+    """x restricted to the selected rows (dim 0), or x itself."""
+    return x if sel is None else x[sel]
+
+
+def _stacked_q(q5, q0, q1):
+    """(R, G, Lq, D) -> query tile (R, G*bq, D)."""
+    r, g, _, d = q5.shape
+    return q5[:, :, q0:q1].reshape(r, g * (q1 - q0), d)
+
+
+def forward_tiled(inp, q, k, v):
+    """(out (B, Hq, Lq, Dv) in q's dtype, lse (B, Hq, Lq) in the compute dtype)."""
+    import torch
+
+    cdt = getattr(torch, compute_dtype_name(inp.dtype))
+    tiles = _Tiles(inp)
+    R, G = tiles.rows, inp.group
+    q5 = q.reshape(R, G, inp.Lq, inp.D)
+    k3, v3 = k.reshape(R, inp.Lk, inp.D), v.reshape(R, inp.Lk, inp.Dv)
+    out = torch.empty(R, G, inp.Lq, inp.Dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(R, G, inp.Lq, dtype=cdt, device=q.device)
+    for t in range(tiles.nq):
+        q0, q1 = tiles.q_range(t, inp.Lq)
+        qt = _stacked_q(q5, q0, q1).to(cdt) * inp.scale  # (R, G*bq, D), scale folded in
+        n = qt.shape[1]
+        m = torch.full((R, n, 1), float("-inf"), dtype=cdt, device=q.device)  # running row max
+        l = torch.zeros(R, n, 1, dtype=cdt, device=q.device)  # running sum of exp
+        acc = torch.zeros(R, n, inp.Dv, dtype=cdt, device=q.device)  # running unnormalised output
+        for j in range(tiles.nk):
+            rows, sel = tiles.active(t, j)
+            if len(rows) == 0:
+                continue
+            k0, k1 = tiles.k_range(j, inp.Lk)
+            rule = TileRule(inp, rows, q0, q1, k0, k1, partial_flags(tiles.classes, rows, t, j), qt)
+            kt = _pick(k3[:, k0:k1], sel).to(cdt)  # (r, bk, D)
+            vt = _pick(v3[:, k0:k1], sel).to(cdt)  # (r, bk, Dv)
+            s = rule.modify(_pick(qt, sel) @ kt.transpose(1, 2))  # (r, G*bq, bk)
+            allowed = rule.allowed()
+            if allowed is not None:
+                s = s.masked_fill(~allowed, float("-inf"))
+            new = _online_step(_pick(m, sel), _pick(l, sel), _pick(acc, sel), s, vt, rule.dropout(s))
+            if sel is None:
+                m, l, acc = new
+            else:
+                m[sel], l[sel], acc[sel] = new
+        has_key = l > 0
+        safe_m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+        out[:, :, q0:q1] = torch.where(has_key, acc / torch.where(has_key, l, torch.ones_like(l)),
+                                       torch.zeros_like(acc)).reshape(R, G, q1 - q0, inp.Dv)
+        lse[:, :, q0:q1] = torch.where(has_key, safe_m + torch.log(l), torch.full_like(l, float("-inf"))
+                                       ).reshape(R, G, q1 - q0)
+    return out.reshape(inp.B, inp.Hq, inp.Lq, inp.Dv), lse.reshape(inp.B, inp.Hq, inp.Lq)
+
+
+def _online_step(m, l, acc, s, vt, keep):
+    """Fold one score tile s (r, n, bk) into the running max m, sum l and output acc."""
+    import torch
+
+    m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+    safe_m = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)  # rows with nothing yet
+    p = torch.exp(s - safe_m)  # (r, n, bk)
+    alpha = torch.exp(m - safe_m)  # rescales what was summed under the old max
+    l = l * alpha + p.sum(dim=-1, keepdim=True)
+    if keep is not None:
+        p = p * keep
+    acc = acc * alpha + p @ vt
+    return m_new, l, acc
+
+
+def backward_tiled(inp, q, k, v, out, lse, dout, dlse):
+    """(dq, dk, dv) by recomputing each tile's probabilities from the saved lse."""
+    import torch
+
+    cdt = lse.dtype
+    tiles = _Tiles(inp)
+    R, G = tiles.rows, inp.group
+    q5 = (q.to(cdt) * inp.scale).reshape(R, G, inp.Lq, inp.D)
+    k3, v3 = k.reshape(R, inp.Lk, inp.D), v.reshape(R, inp.Lk, inp.Dv)
+    do5 = dout.to(cdt).reshape(R, G, inp.Lq, inp.Dv)
+    # rowsum(P ∘ dP) = rowsum(dO ∘ O), minus the lse gradient (d lse / d s = P)
+    delta = (do5 * out.to(cdt).reshape(R, G, inp.Lq, inp.Dv)).sum(-1)  # (R, G, Lq)
+    if dlse is not None:
+        delta = delta - dlse.to(cdt).reshape(R, G, inp.Lq)
+    lse5 = lse.reshape(R, G, inp.Lq)
+    lse5 = torch.where(lse5 == float("-inf"), torch.full_like(lse5, float("inf")), lse5)  # empty rows: P = 0
+    dq = torch.zeros(R, G, inp.Lq, inp.D, dtype=cdt, device=q.device)
+    dk = torch.zeros(R, inp.Lk, inp.D, dtype=cdt, device=q.device)
+    dv = torch.zeros(R, inp.Lk, inp.Dv, dtype=cdt, device=q.device)
+    for j in range(tiles.nk):
+        k0, k1 = tiles.k_range(j, inp.Lk)
+        for t in range(tiles.nq):
+            rows, sel = tiles.active(t, j)
+            if len(rows) == 0:
+                continue
+            q0, q1 = tiles.q_range(t, inp.Lq)
+            qt = _pick(_stacked_q(q5, q0, q1), sel)  # (r, G*bq, D)
+            rule = TileRule(inp, rows, q0, q1, k0, k1, partial_flags(tiles.classes, rows, t, j), qt)
+            kt = _pick(k3[:, k0:k1], sel).to(cdt)
+            vt = _pick(v3[:, k0:k1], sel).to(cdt)
+            dot = _pick(_stacked_q(do5, q0, q1), sel)  # (r, G*bq, Dv)
+            lse_t = _pick(_stacked_q(lse5[..., None], q0, q1), sel)  # (r, G*bq, 1)
+            delta_t = _pick(_stacked_q(delta[..., None], q0, q1), sel)
+            raw = qt @ kt.transpose(1, 2)  # (r, G*bq, bk)
+            grad_mod, s = _modified_with_grad(rule, raw)
+            allowed = rule.allowed()
+            if allowed is not None:
+                s = s.masked_fill(~allowed, float("-inf"))
+            p = torch.exp(s - lse_t)  # (r, G*bq, bk), the forward's probabilities
+            keep = rule.dropout(p)
+            dp = dot @ vt.transpose(1, 2)  # (r, G*bq, bk)
+            if keep is not None:
+                dp = dp * keep
+            ds = grad_mod(p * (dp - delta_t))  # gradient at the raw scaled scores
+            _add_rows(dv[:, k0:k1], sel, (p if keep is None else p * keep).transpose(1, 2) @ dot)
+            _add_rows(dk[:, k0:k1], sel, ds.transpose(1, 2) @ qt)
+            dq_tile = (ds @ kt * inp.scale).reshape(len(rows), G, q1 - q0, inp.D)
+            _add_rows(dq[:, :, q0:q1], sel, dq_tile)
+    return (dq.reshape(q.shape).to(q.dtype),
+            dk.reshape(k.shape).to(k.dtype),
+            dv.reshape(v.shape).to(v.dtype))
+
+
+def _add_rows(target, sel, value):
+    """target[sel] += value, in place (target may be a strided view)."""
+    if sel is None:
+        target += value
+    else:
+        import torch
+
+        target.index_add_(0, torch.as_tensor(sel, device=target.device), value)
+
+
+def _modified_with_grad(rule, raw):
+    """Modified scores and a function mapping d(modified) -> d(raw) (autograd for non-additive mods)."""
+    import torch
+
+    if all(m.additive for m in rule.inp.score_mods):
+        return (lambda ds: ds), rule.modify(raw)
+    with torch.enable_grad():
+        leaf = raw.detach().requires_grad_(True)
+        modified = rule.modify(leaf)
+    return (lambda ds: torch.autograd.grad(modified, leaf, ds)[0]), modified.detach()
+
+
+def _attention_function():
+    import torch
+
+    class TiledAttention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, inp):
+            out, lse = forward_tiled(inp, q, k, v)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.inp = inp
+            return out, lse
+
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, dout, dlse):
+            q, k, v, out, lse = ctx.saved_tensors
+            if dout is None:
+                dout = torch.zeros_like(out)
+            return (*backward_tiled(ctx.inp, q, k, v, out, lse, dout, dlse), None)
+
+    return TiledAttention
+
+
+_function = None
+
+
+class TorchBackend(Backend):
+    name = "torch"
+    caps = Capabilities(kinds=("torch",), devices=(), dtypes=("float64", "float32", "bfloat16", "float16"),
+                        gradients=True, dropout=True)
+
+    def missing(self):
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            return "PyTorch is not installed (pip install qkv[torch])"
+        return None
+
+    def forward(self, inp):
+        global _function
+        if _function is None:
+            _function = _attention_function()
+        if inp.needs_grad:
+            return _function.apply(inp.q, inp.k, inp.v, inp)
+        return forward_tiled(inp, inp.q, inp.k, inp.v)
+
+    def workspace_bytes(self, inp):
+        rows = inp.B * inp.Hkv
+        block_q, block_k = choose_blocks(rows, inp.group, inp.Lq, inp.Lk)
+        lse = inp.B * inp.Hq * inp.Lq * (8 if inp.dtype == "float64" else 4)
+        return tile_workspace(rows, block_q, block_k, inp.group, inp.D, inp.Dv, inp.dtype) + lse

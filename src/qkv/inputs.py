@@ -1,0 +1,337 @@
+"""One validation and normalisation pass at the edge; every user-facing error message lives here.
+
+``prepare`` turns what the user passed to ``qkv.attention`` into an ``AttentionInputs``:
+q, k, v reshaped to 4-D ``(B, H, L, D)`` (B = the flattened leading dims), a mask object
+(or None), a tuple of score modifiers, a float scale. Backends trust what it returns.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import _arrays
+
+FLOAT_DTYPES = ("float64", "float32", "bfloat16", "float16")
+
+
+# --------------------------------------------------------------------------------------
+# Small checks (also used by the mask constructors)
+# --------------------------------------------------------------------------------------
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def check_positive_int(name, value):
+    if not _is_int(value) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def check_nonnegative_int(name, value):
+    if not _is_int(value) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def check_positive_float(name, value):
+    if not _is_real(value) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+def check_choice(name, value, choices):
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+    return value
+
+
+def check_window_side(name, value):
+    if value is None:
+        return None
+    if not _is_int(value) or value < 0:
+        raise ValueError(f"window {name} must be a non-negative integer or None (no limit), got {value!r}")
+    return int(value)
+
+
+def check_callable(name, fn):
+    if not callable(fn):
+        raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
+    return fn
+
+
+def _int_array(name, values, ndim_ok):
+    arr = _arrays.to_numpy(values) if _arrays.kind_of(values) == "torch" else np.asarray(values)
+    if arr.dtype == bool or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
+        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+    if arr.ndim not in ndim_ok:
+        raise ValueError(f"{name} must have {' or '.join(map(str, ndim_ok))} dims, got shape {arr.shape}")
+    return arr.astype(np.int64)
+
+
+def check_lengths(name, lengths):
+    arr = _int_array(name, lengths, (0, 1)).reshape(-1)
+    if (arr < 0).any():
+        raise ValueError(f"{name} must be non-negative, got {arr.tolist()}")
+    return arr
+
+
+def check_lengths_fit(name, lengths, batch, limit, limit_name):
+    if lengths.shape[0] != batch:
+        raise ValueError(f"{name} needs one entry per batch row ({batch}), got {lengths.shape[0]}")
+    if batch and lengths.max() > limit:
+        raise ValueError(f"{name} must be at most {limit_name} = {limit}, got {lengths.max()}")
+
+
+def check_ids(name, ids):
+    arr = _int_array(name, ids, (1, 2))
+    return arr.reshape(1, -1) if arr.ndim == 1 else arr
+
+
+def check_ids_fit(name, ids, batch, length, length_name):
+    if ids.shape != (batch, length) and ids.shape != (1, length):
+        raise ValueError(f"{name} must have shape (B, {length_name}) = ({batch}, {length}), got {ids.shape}")
+
+
+def check_slopes(name, slopes):
+    arr = np.asarray(_arrays.to_numpy(slopes), dtype=None)
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.floating) and not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{name} must be a 1-D array of numbers (one per query head), got {arr.dtype} {arr.shape}")
+    if not np.isfinite(arr).all():
+        raise ValueError(f"{name} must be finite, got {arr.tolist()}")
+    return arr.astype(np.float64)
+
+
+def check_size(name, arr, expected, what):
+    if arr.shape[0] != expected:
+        raise ValueError(f"{name} must have {what} ({expected}) entries, got {arr.shape[0]}")
+
+
+def check_rule_result(name, result, like):
+    if _arrays.kind_of(result) is None or str(result.dtype) not in ("bool", "torch.bool"):
+        got = type(result).__name__ if _arrays.kind_of(result) is None else f"dtype {result.dtype}"
+        raise TypeError(f"{name}: the rule must return a boolean array, got {got}")
+    return result
+
+
+def check_dense_mask(name, array):
+    if _arrays.kind_of(array) is None:
+        raise TypeError(f"{name} must be a numpy.ndarray or torch.Tensor, got {type(array).__name__}")
+    if _dtype_name(array) != "bool":
+        raise TypeError(f"{name} must be boolean (True = attend), got dtype {array.dtype}")
+    return array
+
+
+def fit_dense(name, array, geom):
+    """View a mask/bias array broadcastable to (..., Hq, Lq, Lk) as 4-D (B|1, H|1, Lq|1, Lk|1)."""
+    shape, batch_shape = tuple(array.shape), geom.batch_shape
+    expected = f"(..., Hq, Lq, Lk) = {batch_shape + (geom.heads, geom.Lq, geom.Lk)}"
+    if len(shape) < 2:
+        raise ValueError(f"{name} must have at least 2 dims (..., Lq, Lk); got shape {shape}")
+    tail = shape[-3:] if len(shape) >= 3 else (1,) + shape
+    lead = shape[:-3]
+    fits_tail = all(s in (1, t) for s, t in zip(tail, (geom.heads, geom.Lq, geom.Lk)))
+    fits_lead = len(lead) <= len(batch_shape) and all(
+        s in (1, t) for s, t in zip(lead[::-1], batch_shape[::-1]))
+    if not (fits_tail and fits_lead):
+        raise ValueError(f"{name} of shape {shape} does not broadcast to {expected}")
+    if math.prod(lead) == 1:
+        return array.reshape((1,) + tail)
+    full_lead = np.broadcast_shapes(lead, batch_shape) if len(lead) else batch_shape
+    return _arrays.broadcast_to(array.reshape((1,) * (len(batch_shape) - len(lead)) + lead + tail),
+                                full_lead + tail).reshape((geom.batch,) + tail)
+
+
+def _dtype_name(x) -> str:
+    return str(x.dtype).replace("torch.", "")
+
+
+# --------------------------------------------------------------------------------------
+# The normalised call
+# --------------------------------------------------------------------------------------
+@dataclass
+class AttentionInputs:
+    """A validated attention call. q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv)."""
+
+    q: object
+    k: object
+    v: object
+    kind: str  # "numpy" or "torch"
+    dtype: str  # "float32", ...
+    device: str  # "cpu", "cuda:0", ...
+    batch_shape: tuple  # the leading dims of the caller's q, flattened into B
+    head_shape: tuple  # () for 2-D inputs, (Hq,) otherwise
+    scale: float
+    mask: object = None  # a qkv Mask or None
+    score_mods: tuple = ()
+    dropout_p: float = 0.0
+    seed: int | None = None
+    needs_grad: bool = False
+    geom: object = field(default=None)
+
+    @property
+    def B(self): return self.q.shape[0]
+    @property
+    def Hq(self): return self.q.shape[1]
+    @property
+    def Hkv(self): return self.k.shape[1]
+    @property
+    def Lq(self): return self.q.shape[2]
+    @property
+    def Lk(self): return self.k.shape[2]
+    @property
+    def D(self): return self.q.shape[3]
+    @property
+    def Dv(self): return self.v.shape[3]
+    @property
+    def group(self): return self.Hq // self.Hkv if self.Hkv else 1
+
+    def output_shape(self, last: int) -> tuple:
+        """The caller's shape for a result whose last dim is `last` (Dv, or Lk for weights)."""
+        return self.batch_shape + self.head_shape + (self.Lq, last)
+
+    def lse_shape(self) -> tuple:
+        return self.batch_shape + self.head_shape + (self.Lq,)
+
+
+def _check_tensor(name, x, kind):
+    got = _arrays.kind_of(x)
+    if got is None:
+        raise TypeError(f"{name} must be a numpy.ndarray or torch.Tensor, got {type(x).__name__}")
+    if kind is not None and got != kind:
+        raise TypeError(f"q, k and v must all be NumPy arrays or all torch tensors; q is {kind}, {name} is {got}")
+    dtype = _dtype_name(x)
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must have a floating dtype ({', '.join(FLOAT_DTYPES)}), got {dtype}")
+    if x.ndim < 2:
+        raise ValueError(f"{name} must have at least 2 dims (..., L, D), got shape {tuple(x.shape)}")
+    return got
+
+
+def check_qkv(q, k, v):
+    """Validate q, k, v and return their kind."""
+    kind = _check_tensor("q", q, None)
+    _check_tensor("k", k, kind)
+    _check_tensor("v", v, kind)
+    dtypes = {n: _dtype_name(x) for n, x in (("q", q), ("k", k), ("v", v))}
+    if len(set(dtypes.values())) > 1:
+        raise TypeError(f"q, k and v must share one dtype (no silent casts); got {dtypes}")
+    if kind == "torch" and len({str(x.device) for x in (q, k, v)}) > 1:
+        raise ValueError(f"q, k and v must be on one device; got {q.device}, {k.device}, {v.device}")
+    qs, ks, vs = tuple(q.shape), tuple(k.shape), tuple(v.shape)
+    if not (q.ndim == k.ndim == v.ndim):
+        raise ValueError(f"q, k and v must have the same number of dims; got shapes q {qs}, k {ks}, v {vs}")
+    if ks[-1] != qs[-1]:
+        raise ValueError(f"k's last dim (head dim D) must equal q's: q {qs}, k {ks}")
+    if qs[-1] == 0:
+        raise ValueError(f"the head dim D (last dim of q) must be at least 1, got q {qs}")
+    if vs[:-1] != ks[:-1]:
+        raise ValueError(f"v must match k in every dim but the last: k {ks}, v {vs}")
+    if qs[:-3] != ks[:-3]:
+        raise ValueError(f"leading (batch) dims of q and k must match exactly (no broadcasting): q {qs}, k {ks}")
+    if q.ndim >= 3:
+        hq, hkv = qs[-3], ks[-3]
+        if q.ndim == 3 and hq != hkv:
+            raise ValueError(f"3-D inputs are (H, L, D) and need equal head counts; got q {qs}, k {ks}. "
+                             "Grouped-query attention needs 4-D inputs (B, H, L, D)")
+        if hkv == 0 and hq != 0 or hkv and hq % hkv:
+            raise ValueError(f"q's heads ({hq}) must be a multiple of k's heads ({hkv}) "
+                             f"(grouped-query attention): q {qs}, k {ks}")
+    return kind
+
+
+def check_scale(scale, head_dim):
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if not _is_real(scale) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite real number or None (1/sqrt(D)), got {scale!r}")
+    return float(scale)
+
+
+def check_dropout(dropout_p, seed):
+    if not _is_real(dropout_p) or not (0.0 <= dropout_p < 1.0):
+        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    if seed is not None and (not _is_int(seed) or seed < 0):
+        raise ValueError(f"seed must be a non-negative integer or None, got {seed!r}")
+    return float(dropout_p), seed
+
+
+def as_mask(mask, kind, dtype):
+    """Turn the `mask` argument into (Mask or None, extra score modifiers)."""
+    from . import masks
+
+    if mask is None:
+        return None, ()
+    if isinstance(mask, masks.Mask):
+        return mask, ()
+    if isinstance(mask, masks.ScoreMod):
+        raise TypeError(f"mask got a score modifier ({mask!r}); pass it as score_mod=")
+    got = _arrays.kind_of(mask)
+    if got is None:
+        raise TypeError(f"mask must be a qkv mask, a boolean array (True = attend) or a float array "
+                        f"(additive bias); got {type(mask).__name__}")
+    if got != kind:
+        raise TypeError(f"mask must be of the same kind as q ({kind}), got {got}")
+    mdtype = _dtype_name(mask)
+    if mdtype == "bool":
+        return masks.DenseMask(mask), ()
+    if mdtype in FLOAT_DTYPES:
+        if mdtype != dtype:
+            raise TypeError(f"a float mask (additive bias) must have q's dtype {dtype}, got {mdtype}")
+        if got == "torch" and mask.requires_grad:
+            raise ValueError("a float mask that requires grad is not supported: qkv gives no gradient "
+                             "for the bias; pass mask.detach() or compute the bias term outside")
+        return None, (masks.Bias(mask),)
+    raise TypeError(f"mask must be boolean (True = attend) or float (additive bias), got dtype {mdtype}; "
+                    "for a 0/1 mask use mask != 0")
+
+
+def as_score_mods(score_mod):
+    from . import masks
+
+    if score_mod is None:
+        return ()
+    mods = tuple(score_mod) if isinstance(score_mod, (list, tuple)) else (score_mod,)
+    for m in mods:
+        if not isinstance(m, masks.ScoreMod):
+            raise TypeError(f"score_mod must be a qkv score modifier (alibi, softcap, score_fn) or a list "
+                            f"of them, got {type(m).__name__}")
+    return mods
+
+
+def _to4d(x):
+    """(..., H, L, D) -> (B, H, L, D); 2-D (L, D) -> (1, 1, L, D)."""
+    shape = tuple(x.shape)
+    if x.ndim == 2:
+        return x.reshape((1, 1) + shape)
+    return x.reshape((math.prod(shape[:-3]),) + shape[-3:])
+
+
+def prepare(q, k, v, mask=None, *, score_mod=None, scale=None, dropout_p=0.0, seed=None) -> AttentionInputs:
+    """Validate one attention call and normalise it (see AttentionInputs)."""
+    from .masks import Geometry
+
+    kind = check_qkv(q, k, v)
+    dtype = _dtype_name(q)
+    scale = check_scale(scale, q.shape[-1])
+    dropout_p, seed = check_dropout(dropout_p, seed)
+    mask_obj, bias_mods = as_mask(mask, kind, dtype)
+    mods = bias_mods + as_score_mods(score_mod)
+    batch_shape = tuple(q.shape[:-3])
+    head_shape = tuple(q.shape[-3:-2]) if q.ndim >= 3 else ()
+    q4, k4, v4 = _to4d(q), _to4d(k), _to4d(v)
+    geom = Geometry(q4.shape[0], q4.shape[1], q4.shape[2], k4.shape[2], batch_shape)
+    if mask_obj is not None:
+        mask_obj.check(geom)
+    for m in mods:
+        m.check(geom)
+    needs_grad = kind == "torch" and any(x.requires_grad for x in (q, k, v))
+    device = str(q.device) if kind == "torch" else "cpu"
+    return AttentionInputs(q4, k4, v4, kind, dtype, device, batch_shape, head_shape, scale,
+                           mask_obj, mods, dropout_p, seed, needs_grad, geom)

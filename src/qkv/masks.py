@@ -1,0 +1,618 @@
+"""The mask and score-modifier language.
+
+A mask says which (query, key) pairs may attend: True = ALLOWED, everywhere in
+qkv. Masks combine with ``&``, ``|`` and ``~``; each one can
+
+- ``materialize(Lq, Lk, ...)`` into a boolean array (tests, pictures),
+- ``blocks(Lq, Lk, block_q, block_k, ...)`` classify tiles as EMPTY / PARTIAL /
+  FULL, so kernels skip empty tiles and never mask full ones,
+- ``to_string(Lq, Lk)`` draw itself in the terminal.
+
+Data-driven masks (lengths, segment ids) hold their data as parameters: a rule
+is evaluated from index arrays ``b, h, qi, ki`` (batch row, query head, query
+position, key position) that broadcast against each other, in NumPy or torch.
+
+Score modifiers change scores before the softmax: ``alibi``, ``softcap``,
+``score_fn`` (and a float array mask, which is an additive bias).
+
+Index conventions: ``b`` runs over the flattened leading (batch) dims of q,
+``h`` over the query heads, ``qi`` over 0..Lq-1 and ``ki`` over 0..Lk-1.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _arrays, inputs
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+_MAYBE = 3  # internal: "could be anything", settled by evaluating the tile
+
+ALIGNS = ("bottom_right", "top_left")
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The sizes a mask is evaluated for: batch rows, query heads, query and key lengths."""
+
+    batch: int
+    heads: int
+    Lq: int
+    Lk: int
+    batch_shape: tuple = None  # the caller's leading dims (flattened into batch); (batch,) if not given
+
+    def __post_init__(self):
+        if self.batch_shape is None:
+            object.__setattr__(self, "batch_shape", (self.batch,))
+
+
+def tile_indices(like, b, h, q0: int, q1: int, k0: int, k1: int):
+    """Broadcastable index arrays for rows b, heads h and the tile [q0, q1) x [k0, k1).
+
+    b and h are ints or 1-D index arrays; the results have shapes
+    (nb, 1, 1, 1), (1, nh, 1, 1), (1, 1, bq, 1), (1, 1, 1, bk).
+    """
+    ar = lambda lo, hi: _arrays.arange_like(hi - lo, like) + lo  # noqa: E731
+    b = _arrays.like(np.atleast_1d(np.asarray(b, dtype=np.int64)), like) if not _arrays.is_torch(b) else b
+    h = _arrays.like(np.atleast_1d(np.asarray(h, dtype=np.int64)), like) if not _arrays.is_torch(h) else h
+    return (
+        b.reshape(-1, 1, 1, 1),
+        h.reshape(1, -1, 1, 1),
+        ar(q0, q1).reshape(1, 1, -1, 1),
+        ar(k0, k1).reshape(1, 1, 1, -1),
+    )
+
+
+class Mask:
+    """Base class of every mask. Subclasses implement ``allowed``."""
+
+    #: True when the rule does not depend on the head index (tiles can be shared by heads).
+    head_independent = True
+
+    # ---- the rule -------------------------------------------------------------------------
+    def allowed(self, b, h, qi, ki, geom: Geometry):
+        """Boolean array: may query qi of batch row b, head h attend to key ki?"""
+        raise NotImplementedError
+
+    def check(self, geom: Geometry) -> None:
+        """Raise ValueError if the mask's parameters do not fit these sizes."""
+
+    # ---- algebra --------------------------------------------------------------------------
+    def __and__(self, other: "Mask") -> "Mask":
+        return And(self, _as_mask(other, "&"))
+
+    def __or__(self, other: "Mask") -> "Mask":
+        return Or(self, _as_mask(other, "|"))
+
+    def __invert__(self) -> "Mask":
+        return Not(self)
+
+    __rand__ = __and__
+    __ror__ = __or__
+
+    # ---- tiles ----------------------------------------------------------------------------
+    def _classify(self, geom: Geometry, block_q: int, block_k: int) -> np.ndarray:
+        """Tile classes (B|1, H|1, nq, nk) in {EMPTY, PARTIAL, FULL, _MAYBE}."""
+        nq, nk = _cdiv(geom.Lq, block_q), _cdiv(geom.Lk, block_k)
+        return np.full((1, 1, nq, nk), _MAYBE, dtype=np.int8)
+
+    def blocks(self, Lq: int, Lk: int, block_q: int, block_k: int, *, batch: int = 1, heads: int = 1) -> np.ndarray:
+        """Classify each (block_q x block_k) tile as EMPTY (0), PARTIAL (1) or FULL (2).
+
+        Returns an int8 array of shape (batch|1, heads|1, ceil(Lq/block_q), ceil(Lk/block_k));
+        a dim is 1 when the mask does not depend on it. Exact: a tile is EMPTY only if no
+        pair in it is allowed and FULL only if every pair is.
+        """
+        inputs.check_positive_int("block_q", block_q)
+        inputs.check_positive_int("block_k", block_k)
+        geom = Geometry(batch, heads, Lq, Lk)
+        self.check(geom)
+        classes = self._classify(geom, block_q, block_k)
+        if (classes == _MAYBE).any():
+            classes = _settle_by_evaluation(self, classes, geom, block_q, block_k)
+        return classes
+
+    # ---- pictures -------------------------------------------------------------------------
+    def materialize(self, Lq: int, Lk: int, *, batch=None, heads=None):
+        """The mask as a boolean array of shape (*batch, heads, Lq, Lk).
+
+        The batch and heads dims are present only when given (batch may be an int or a
+        tuple); ``materialize(Lq, Lk)`` gives (Lq, Lk) for batch row 0, head 0.
+        """
+        batch_shape = () if batch is None else (batch,) if isinstance(batch, int) else tuple(batch)
+        n_batch, n_heads = math.prod(batch_shape), 1 if heads is None else heads
+        geom = Geometry(n_batch, n_heads, Lq, Lk, batch_shape or (1,))
+        self.check(geom)
+        probe = np.zeros(0)
+        b, h, qi, ki = tile_indices(probe, np.arange(n_batch), np.arange(n_heads), 0, Lq, 0, Lk)
+        full = np.broadcast_to(self.allowed(b, h, qi, ki, geom), (n_batch, n_heads, Lq, Lk))
+        shape = batch_shape + (() if heads is None else (n_heads,)) + (Lq, Lk)
+        return np.ascontiguousarray(full).reshape(shape)
+
+    def to_string(self, Lq: int, Lk: int, *, batch: int = 0, head: int = 0) -> str:
+        """Draw the mask for one batch row and head: '█' = attend, '·' = masked."""
+        grid = self.materialize(Lq, Lk, batch=batch + 1, heads=head + 1)[batch, head]
+        width = len(str(max(Lq, Lk) - 1))
+        lines = [f"{self!r}  (rows: {Lq} queries, columns: {Lk} keys)"]
+        for i, row in enumerate(grid):
+            lines.append(f"{i:>{width}} " + "".join("█" if a else "·" for a in row))
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return type(self).__name__.lower()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _as_mask(other, op: str) -> Mask:
+    if not isinstance(other, Mask):
+        raise TypeError(f"mask {op} mask: the other operand must be a qkv mask, got {type(other).__name__}")
+    return other
+
+
+def _settle_by_evaluation(mask: Mask, classes, geom: Geometry, block_q: int, block_k: int):
+    """Replace _MAYBE tiles by their exact class, evaluating the rule one query band at a time."""
+    nq, nk = classes.shape[-2:]
+    heads = 1 if mask.head_independent else geom.heads
+    classes = np.broadcast_to(classes, (geom.batch, heads, nq, nk)).copy()
+    probe = np.zeros(0)
+    k_pad = nk * block_k
+    valid_k = (np.arange(k_pad) < geom.Lk).reshape(1, 1, 1, nk, block_k)
+    for t in range(nq):
+        if not (classes[..., t, :] == _MAYBE).any():
+            continue
+        q0, q1 = t * block_q, min((t + 1) * block_q, geom.Lq)
+        b, h, qi, ki = tile_indices(probe, np.arange(geom.batch), np.arange(heads), q0, q1, 0, k_pad)
+        band = np.broadcast_to(mask.allowed(b, h, qi, np.minimum(ki, geom.Lk - 1), geom),
+                               (geom.batch, heads, q1 - q0, k_pad))
+        band = band.reshape(geom.batch, heads, q1 - q0, nk, block_k)
+        any_ = (band & valid_k).any(axis=(2, 4))
+        all_ = (band | ~valid_k).all(axis=(2, 4))
+        exact = np.where(all_, FULL, np.where(any_, PARTIAL, EMPTY)).astype(np.int8)
+        row = classes[:, :, t, :]
+        classes[:, :, t, :] = np.where(row == _MAYBE, exact, row)
+    return _squeeze_unused(classes)
+
+
+def _squeeze_unused(classes: np.ndarray) -> np.ndarray:
+    """Collapse the batch / head dims to 1 where every entry along them is the same."""
+    for axis in (0, 1):
+        if classes.shape[axis] > 1 and (classes == classes.take([0], axis=axis)).all():
+            classes = classes.take([0], axis=axis)
+    return classes
+
+
+# ======================================================================================
+# Interval masks: query i of row b sees keys lo(b, i) <= j <= hi(b, i).
+# Causal, window, padding and prefix-LM are all of this form, so their tiles are
+# classified exactly from lo/hi alone, and intersections of them stay intervals.
+# ======================================================================================
+class IntervalMask(Mask):
+    def interval(self, b, qi, geom: Geometry):
+        """(lo, hi) arrays broadcast from b (nb,1,1,1) and qi (1,1,bq,1)."""
+        raise NotImplementedError
+
+    def allowed(self, b, h, qi, ki, geom):
+        lo, hi = self.interval(b, qi, geom)
+        return (ki >= lo) & (ki <= hi)
+
+    def __and__(self, other):
+        if isinstance(other, IntervalMask):
+            return IntervalIntersection(self, other)
+        return super().__and__(other)
+
+    def _classify(self, geom, block_q, block_k):
+        nq, nk = _cdiv(geom.Lq, block_q), _cdiv(geom.Lk, block_k)
+        probe = np.zeros(0)
+        b, _, qi, _ = tile_indices(probe, np.arange(geom.batch), [0], 0, nq * block_q, 0, 1)
+        lo, hi = (np.broadcast_to(x, (geom.batch, 1, nq * block_q, 1))[:, 0, :, 0] for x in self.interval(b, qi, geom))
+        lo = np.maximum(lo, 0)
+        hi = np.minimum(hi, geom.Lk - 1)
+        real_row = (np.arange(nq * block_q) < geom.Lq)
+        # (B, nq, bq, 1) against tile bounds (1, 1, 1, nk)
+        lo = lo.reshape(geom.batch, nq, block_q, 1)
+        hi = hi.reshape(geom.batch, nq, block_q, 1)
+        real_row = real_row.reshape(1, nq, block_q, 1)
+        k0 = (np.arange(nk) * block_k).reshape(1, 1, 1, nk)
+        k1 = np.minimum(k0 + block_k, geom.Lk) - 1
+        row_full = (lo <= k0) & (hi >= k1)
+        row_empty = (hi < k0) | (lo > k1) | (lo > hi)
+        full = (row_full | ~real_row).all(axis=2)
+        empty = (row_empty | ~real_row).all(axis=2)
+        classes = np.where(full, FULL, np.where(empty, EMPTY, PARTIAL)).astype(np.int8)
+        return _squeeze_unused(classes[:, None])
+
+
+def _offset(align: str, geom: Geometry) -> int:
+    """How far query i is shifted along the keys: Lk - Lq for bottom-right alignment."""
+    return geom.Lk - geom.Lq if align == "bottom_right" else 0
+
+
+class Causal(IntervalMask):
+    def __init__(self, align: str = "bottom_right"):
+        self.align = inputs.check_choice("align", align, ALIGNS)
+
+    def interval(self, b, qi, geom):
+        return qi * 0 + np.iinfo(np.int64).min // 2, qi + _offset(self.align, geom)
+
+    def __repr__(self):
+        return f"causal(align={self.align!r})"
+
+
+class Window(IntervalMask):
+    def __init__(self, left, right=0, align: str = "bottom_right"):
+        self.left = inputs.check_window_side("left", left)
+        self.right = inputs.check_window_side("right", right)
+        self.align = inputs.check_choice("align", align, ALIGNS)
+
+    def interval(self, b, qi, geom):
+        big = np.iinfo(np.int64).max // 4
+        shifted = qi + _offset(self.align, geom)
+        return shifted - (big if self.left is None else self.left), shifted + (big if self.right is None else self.right)
+
+    def __repr__(self):
+        return f"window(left={self.left}, right={self.right}, align={self.align!r})"
+
+
+class Padding(IntervalMask):
+    def __init__(self, kv_lengths, q_lengths=None):
+        self.kv_lengths = inputs.check_lengths("kv_lengths", kv_lengths)
+        self.q_lengths = None if q_lengths is None else inputs.check_lengths("q_lengths", q_lengths)
+
+    def check(self, geom):
+        inputs.check_lengths_fit("kv_lengths", self.kv_lengths, geom.batch, geom.Lk, "Lk")
+        if self.q_lengths is not None:
+            inputs.check_lengths_fit("q_lengths", self.q_lengths, geom.batch, geom.Lq, "Lq")
+
+    def interval(self, b, qi, geom):
+        kv_len = _arrays.like(self.kv_lengths, b)[b]
+        hi = kv_len - 1 + qi * 0
+        lo = qi * 0
+        if self.q_lengths is not None:
+            q_len = _arrays.like(self.q_lengths, b)[b]
+            lo = lo + (qi >= q_len) * (np.iinfo(np.int64).max // 4)  # padded query rows see nothing
+        return lo, hi
+
+    def __repr__(self):
+        q = "" if self.q_lengths is None else f", q_lengths={self.q_lengths.tolist()}"
+        return f"padding(kv_lengths={self.kv_lengths.tolist()}{q})"
+
+
+class PrefixLM(IntervalMask):
+    def __init__(self, lengths):
+        self.lengths = inputs.check_lengths("lengths", lengths)
+
+    def check(self, geom):
+        inputs.check_lengths_fit("lengths", self.lengths, geom.batch, geom.Lk, "Lk")
+
+    def interval(self, b, qi, geom):
+        prefix = _arrays.like(self.lengths, b)[b]
+        causal_hi = qi + _offset("bottom_right", geom)
+        hi = (prefix - 1) * (prefix - 1 > causal_hi) + causal_hi * (prefix - 1 <= causal_hi)  # max, any kind
+        return qi * 0, hi
+
+    def __repr__(self):
+        return f"prefix_lm(lengths={self.lengths.tolist()})"
+
+
+class IntervalIntersection(IntervalMask):
+    def __init__(self, a: IntervalMask, b: IntervalMask):
+        self.parts = (a, b)
+
+    def check(self, geom):
+        for p in self.parts:
+            p.check(geom)
+
+    def interval(self, b, qi, geom):
+        (lo1, hi1), (lo2, hi2) = (p.interval(b, qi, geom) for p in self.parts)
+        xp = _arrays.namespace(qi)
+        return xp.maximum(lo1, lo2), xp.minimum(hi1, hi2)
+
+    def __repr__(self):
+        return f"({self.parts[0]!r} & {self.parts[1]!r})"
+
+
+# ======================================================================================
+# Other masks
+# ======================================================================================
+class Document(Mask):
+    """Packed sequences: query i sees key j when both carry the same segment id."""
+
+    def __init__(self, ids, kv_ids=None):
+        self.ids = inputs.check_ids("ids", ids)
+        self.kv_ids = self.ids if kv_ids is None else inputs.check_ids("kv_ids", kv_ids)
+        self._own_kv = kv_ids is not None
+
+    def check(self, geom):
+        inputs.check_ids_fit("ids", self.ids, geom.batch, geom.Lq, "Lq")
+        inputs.check_ids_fit("kv_ids" if self._own_kv else "ids (used for the keys too)", self.kv_ids,
+                             geom.batch, geom.Lk, "Lk")
+
+    def allowed(self, b, h, qi, ki, geom):
+        q_ids = _arrays.like(self.ids, b)[b, qi]  # (nb, 1, bq, 1)
+        k_ids = _arrays.like(self.kv_ids, b)[b, ki]  # (nb, 1, 1, bk)
+        return q_ids == k_ids
+
+    def _classify(self, geom, block_q, block_k):
+        sorted_ids = all((np.diff(x, axis=-1) >= 0).all() for x in (self.ids, self.kv_ids))
+        if not sorted_ids:  # tiles of unsorted ids are settled by evaluation
+            return super()._classify(geom, block_q, block_k)
+        q_lo, q_hi = _tile_min_max(self.ids, block_q)
+        k_lo, k_hi = _tile_min_max(self.kv_ids, block_k)
+        # (B, nq, 1) against (B, 1, nk): with sorted ids, disjoint ranges share no id
+        empty = (q_hi[:, :, None] < k_lo[:, None, :]) | (k_hi[:, None, :] < q_lo[:, :, None])
+        one_id = (q_lo[:, :, None] == q_hi[:, :, None]) & (k_lo[:, None, :] == k_hi[:, None, :])
+        full = one_id & (q_lo[:, :, None] == k_lo[:, None, :])
+        classes = np.where(full, FULL, np.where(empty, EMPTY, PARTIAL)).astype(np.int8)
+        return _squeeze_unused(np.broadcast_to(classes[:, None], (geom.batch,) + classes[:, None].shape[1:]).copy())
+
+    def __repr__(self):
+        return "document(ids)"
+
+
+def _tile_min_max(ids: np.ndarray, block: int):
+    """Per-tile min and max of (B, L) ids: two arrays (B, ceil(L/block))."""
+    n_batch, length = ids.shape
+    padded = np.concatenate([ids, np.repeat(ids[:, -1:], _cdiv(length, block) * block - length, axis=1)], axis=1)
+    tiles = padded.reshape(n_batch, -1, block)
+    return tiles.min(axis=2), tiles.max(axis=2)
+
+
+class MaskFn(Mask):
+    """Any vectorised rule ``fn(b, h, qi, ki) -> bool array``."""
+
+    head_independent = False
+
+    def __init__(self, fn):
+        self.fn = inputs.check_callable("fn", fn)
+
+    def allowed(self, b, h, qi, ki, geom):
+        return inputs.check_rule_result("mask_fn", self.fn(b, h, qi, ki), b)
+
+    def __repr__(self):
+        return f"mask_fn({getattr(self.fn, '__name__', 'fn')})"
+
+
+class DenseMask(Mask):
+    """An explicit boolean array, broadcastable to (..., Hq, Lq, Lk)."""
+
+    head_independent = False
+
+    def __init__(self, array):
+        self.array = inputs.check_dense_mask("mask", array)
+        self._bound = None
+
+    def check(self, geom):
+        self._bound = inputs.fit_dense("mask", self.array, geom)
+
+    def allowed(self, b, h, qi, ki, geom):
+        return _dense_lookup(self._bound if self._bound is not None else inputs.fit_dense("mask", self.array, geom),
+                             b, h, qi, ki)
+
+    def __repr__(self):
+        return f"dense_mask(shape={tuple(self.array.shape)})"
+
+
+def _dense_lookup(arr4, b, h, qi, ki):
+    """arr4 (B|1, H|1, Lq|1, Lk|1) gathered at broadcast indices; size-1 dims broadcast."""
+    arr4 = _arrays.like(arr4, b)
+    idx = [i * (n > 1) for i, n in zip((b, h, qi, ki), arr4.shape)]
+    return arr4[idx[0], idx[1], idx[2], idx[3]]
+
+
+class And(Mask):
+    def __init__(self, a: Mask, b: Mask):
+        self.parts = (a, b)
+        self.head_independent = a.head_independent and b.head_independent
+
+    def check(self, geom):
+        for p in self.parts:
+            p.check(geom)
+
+    def allowed(self, b, h, qi, ki, geom):
+        return self.parts[0].allowed(b, h, qi, ki, geom) & self.parts[1].allowed(b, h, qi, ki, geom)
+
+    def _classify(self, geom, block_q, block_k):
+        x, y = (p._classify(geom, block_q, block_k) for p in self.parts)
+        out = np.where((x == EMPTY) | (y == EMPTY), EMPTY,
+                       np.where(x == FULL, y, np.where(y == FULL, x, _MAYBE)))
+        return out.astype(np.int8)
+
+    def __repr__(self):
+        return f"({self.parts[0]!r} & {self.parts[1]!r})"
+
+
+class Or(And):
+    def allowed(self, b, h, qi, ki, geom):
+        return self.parts[0].allowed(b, h, qi, ki, geom) | self.parts[1].allowed(b, h, qi, ki, geom)
+
+    def _classify(self, geom, block_q, block_k):
+        x, y = (p._classify(geom, block_q, block_k) for p in self.parts)
+        out = np.where((x == FULL) | (y == FULL), FULL,
+                       np.where(x == EMPTY, y, np.where(y == EMPTY, x, _MAYBE)))
+        return out.astype(np.int8)
+
+    def __repr__(self):
+        return f"({self.parts[0]!r} | {self.parts[1]!r})"
+
+
+class Not(Mask):
+    def __init__(self, inner: Mask):
+        self.inner = inner
+        self.head_independent = inner.head_independent
+
+    def check(self, geom):
+        self.inner.check(geom)
+
+    def allowed(self, b, h, qi, ki, geom):
+        return ~self.inner.allowed(b, h, qi, ki, geom)
+
+    def _classify(self, geom, block_q, block_k):
+        x = self.inner._classify(geom, block_q, block_k)
+        return np.where(x == EMPTY, FULL, np.where(x == FULL, EMPTY, x)).astype(np.int8)
+
+    def __repr__(self):
+        return f"~{self.inner!r}"
+
+
+# ======================================================================================
+# Public constructors
+# ======================================================================================
+def causal(align: str = "bottom_right") -> Mask:
+    """Causal mask. Bottom-right (default): query i sees keys j <= i + Lk - Lq.
+
+    With Lq = 3 queries over Lk = 5 keys::
+
+        bottom_right            top_left
+        keys  0 1 2 3 4         keys  0 1 2 3 4
+        q0    █ █ █ · ·         q0    █ · · · ·
+        q1    █ █ █ █ ·         q1    █ █ · · ·
+        q2    █ █ █ █ █         q2    █ █ █ · ·
+
+    Bottom-right is what decoding with a KV cache needs: the last query is the newest
+    token and sees every key. ``align="top_left"`` gives j <= i.
+    """
+    return Causal(align)
+
+
+def window(left=None, right=0, align: str = "bottom_right") -> Mask:
+    """Sliding window: with i' = i + Lk - Lq (or i when top-left), keys i' - left <= j <= i' + right.
+
+    ``left`` / ``right`` are non-negative ints, or None for no limit on that side.
+    ``window(left=255)`` is the causal 256-token sliding window.
+    """
+    return Window(left, right, align)
+
+
+def padding(kv_lengths, q_lengths=None) -> Mask:
+    """Per batch row b: keys j < kv_lengths[b]; query rows i >= q_lengths[b] see nothing (output 0).
+
+    Lengths have one entry per batch row (the flattened leading dims of q).
+    """
+    return Padding(kv_lengths, q_lengths)
+
+
+def document(ids, kv_ids=None) -> Mask:
+    """Packed sequences: ids (B, Lq) (and kv_ids (B, Lk), default ids); i sees j when the ids match."""
+    return Document(ids, kv_ids)
+
+
+def prefix_lm(lengths) -> Mask:
+    """Prefix LM: keys j < lengths[b] are seen by every query; beyond the prefix, causal (bottom-right)."""
+    return PrefixLM(lengths)
+
+
+def mask_fn(fn) -> Mask:
+    """A vectorised rule ``fn(b, h, qi, ki) -> bool`` over broadcast index arrays (NumPy or torch)."""
+    return MaskFn(fn)
+
+
+def dense_mask(array) -> Mask:
+    """An explicit boolean array (True = attend), broadcastable to (..., Hq, Lq, Lk)."""
+    return DenseMask(array)
+
+
+# ======================================================================================
+# Score modifiers
+# ======================================================================================
+class ScoreMod:
+    """Changes scaled scores s (nb, nh, bq, bk) before the softmax."""
+
+    #: True when d(new score)/d(score) == 1 (the gradient passes through unchanged).
+    additive = False
+
+    def apply(self, s, b, h, qi, ki, geom: Geometry):
+        raise NotImplementedError
+
+    def check(self, geom: Geometry) -> None:
+        """Raise ValueError if the modifier's parameters do not fit these sizes."""
+
+
+class Alibi(ScoreMod):
+    additive = True
+
+    def __init__(self, slopes):
+        self.slopes = inputs.check_slopes("slopes", slopes)
+
+    def check(self, geom):
+        inputs.check_size("slopes", self.slopes, geom.heads, "the number of query heads")
+
+    def apply(self, s, b, h, qi, ki, geom):
+        slope = _arrays.cast_like(_arrays.like(self.slopes, s)[h], s)  # (1, nh, 1, 1)
+        distance = qi + _offset("bottom_right", geom) - ki
+        return s - slope * abs(distance)
+
+    def __repr__(self):
+        return f"alibi({len(self.slopes)} slopes)"
+
+
+class Softcap(ScoreMod):
+    def __init__(self, cap):
+        self.cap = inputs.check_positive_float("cap", cap)
+
+    def apply(self, s, b, h, qi, ki, geom):
+        return _arrays.namespace(s).tanh(s / self.cap) * self.cap
+
+    def derivative(self, s_in):
+        """d softcap / d s at the unmodified score s_in."""
+        t = _arrays.namespace(s_in).tanh(s_in / self.cap)
+        return 1 - t * t
+
+    def __repr__(self):
+        return f"softcap({self.cap})"
+
+
+class ScoreFn(ScoreMod):
+    def __init__(self, fn):
+        self.fn = inputs.check_callable("fn", fn)
+
+    def apply(self, s, b, h, qi, ki, geom):
+        return self.fn(s, b, h, qi, ki)
+
+    def __repr__(self):
+        return f"score_fn({getattr(self.fn, '__name__', 'fn')})"
+
+
+class Bias(ScoreMod):
+    """A float array added to the scores (a float mask), broadcastable to (..., Hq, Lq, Lk)."""
+
+    additive = True
+
+    def __init__(self, array):
+        self.array = array
+        self._bound = None
+
+    def check(self, geom):
+        self._bound = inputs.fit_dense("mask", self.array, geom)
+
+    def apply(self, s, b, h, qi, ki, geom):
+        return s + _arrays.cast_like(_dense_lookup(self._bound, b, h, qi, ki), s)
+
+    def __repr__(self):
+        return f"bias(shape={tuple(self.array.shape)})"
+
+
+def alibi(slopes) -> ScoreMod:
+    """ALiBi: adds -slopes[h] * |i' - j| (i' = i + Lk - Lq) to every score."""
+    return Alibi(slopes)
+
+
+def softcap(cap) -> ScoreMod:
+    """Soft capping: s -> cap * tanh(s / cap), applied to the scaled scores."""
+    return Softcap(cap)
+
+
+def score_fn(fn) -> ScoreMod:
+    """Any vectorised rule ``fn(score, b, h, qi, ki) -> new score`` (NumPy or torch ops)."""
+    return ScoreFn(fn)
+
+
+def apply_score_mods(mods, s, b, h, qi, ki, geom):
+    """Apply the modifiers in order."""
+    for mod in mods:
+        s = mod.apply(s, b, h, qi, ki, geom)
+    return s
