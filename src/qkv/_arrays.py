@@ -43,6 +43,8 @@ def like(values, x):
     if is_torch(x):
         import torch
 
+        if isinstance(values, np.ndarray) and not values.flags.writeable:
+            values = values.copy()  # torch wants writable memory (broadcast views are not)
         return torch.as_tensor(values, device=x.device)
     return to_numpy(values)
 

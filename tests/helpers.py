@@ -1,0 +1,87 @@
+"""Shared test helpers: inputs in any kind/dtype, the float64 oracle and the tolerance rule.
+
+The rule (DESIGN.md): for a backend run in dtype t,
+    err(backend) <= 2 * err(reference backend in t) + atol[t]
+where err is the max absolute difference from the reference backend in float64 on the
+same (t-rounded) inputs.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+import qkv
+from qkv import dispatch
+
+try:
+    import torch
+except ImportError:  # pragma: no cover - the dev extra installs torch
+    torch = None
+
+ATOL = {"float64": 1e-12, "float32": 2e-6, "float16": 2e-3, "bfloat16": 1e-2}
+
+#: Backends under test: every registered one that can run here, except the oracle itself.
+BACKENDS = [name for name, b in dispatch.REGISTRY.items() if name != "reference" and b.missing() is None]
+
+
+def kind_of_backend(name: str) -> str:
+    return dispatch.REGISTRY[name].caps.kinds[0]
+
+
+def dtypes_of_backend(name: str) -> list[str]:
+    return list(dispatch.REGISTRY[name].caps.dtypes)
+
+
+def convert(x64: np.ndarray, kind: str, dtype: str):
+    """A float64 NumPy array as `kind` in `dtype`."""
+    if kind == "torch":
+        return torch.tensor(x64).to(getattr(torch, dtype))
+    return x64.astype(dtype)
+
+
+def to64(x) -> np.ndarray:
+    if torch is not None and isinstance(x, torch.Tensor):
+        return x.detach().to(torch.float64).cpu().numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
+def random_qkv(rng, q_shape, k_shape, v_shape, kind, dtype):
+    """(q, k, v) in kind/dtype, and the float64 NumPy arrays holding exactly the same values."""
+    arrays = [convert(rng.standard_normal(s), kind, dtype) for s in (q_shape, k_shape, v_shape)]
+    return arrays, [to64(a) for a in arrays]
+
+
+def max_err(got, want) -> float:
+    got, want = to64(got), to64(want)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    both_inf = np.isinf(got) & np.isinf(want) & (np.sign(got) == np.sign(want))
+    with np.errstate(invalid="ignore"):
+        diff = np.where(both_inf, 0.0, np.abs(got - want))
+    return float(diff.max()) if diff.size else 0.0
+
+
+def assert_within_rule(got, oracle, reference_in_dtype, dtype: str, what: str = "output"):
+    err, ref_err = max_err(got, oracle), max_err(reference_in_dtype, oracle)
+    bound = 2 * ref_err + ATOL[dtype]
+    assert err <= bound, f"{what}: error {err:.3e} > 2 * {ref_err:.3e} + {ATOL[dtype]:.0e} ({dtype})"
+
+
+def check_backend(backend: str, arrays, arrays64, dtype: str, **kwargs):
+    """Run `backend` and compare output and lse with the oracle under the tolerance rule."""
+    q, k, v = arrays
+    got, lse = qkv.attention(q, k, v, backend=backend, return_lse=True, **kwargs)
+    want, want_lse = qkv.attention(*arrays64, backend="reference", return_lse=True, **_as64(kwargs))
+    ref, ref_lse = qkv.attention(q, k, v, backend="reference", return_lse=True, **kwargs)
+    assert got.shape == want.shape
+    assert str(got.dtype).replace("torch.", "") == dtype
+    assert_within_rule(got, want, ref, dtype)
+    assert_within_rule(lse, want_lse, ref_lse, "float32" if dtype != "float64" else dtype, "lse")
+    return got, lse
+
+
+def _as64(kwargs):
+    """The same call arguments for the NumPy float64 oracle: array masks become NumPy, biases float64."""
+    mask = kwargs.get("mask")
+    if mask is None or isinstance(mask, qkv.Mask):
+        return kwargs
+    is_bool = "bool" in str(mask.dtype)
+    return {**kwargs, "mask": to64(mask).astype(bool) if is_bool else to64(mask)}

@@ -1,0 +1,74 @@
+"""Every backend against the float64 oracle, under the tolerance rule, over odd sizes."""
+import numpy as np
+import pytest
+
+import qkv
+from helpers import check_backend, dtypes_of_backend, kind_of_backend, random_qkv
+
+SIZES = [(1, 1), (3, 17), (17, 3), (113, 129), (128, 128), (129, 513), (513, 129)]
+HEAD_DIMS = [(1, 1), (8, 8), (40, 40), (64, 64), (80, 80), (128, 128), (256, 256), (64, 24), (16, 100)]
+
+
+@pytest.mark.parametrize("Lq,Lk", SIZES)
+def test_sizes(backend, rng, Lq, Lk):
+    kind = kind_of_backend(backend)
+    for dtype in dtypes_of_backend(backend):
+        arrays, arrays64 = random_qkv(rng, (2, 3, Lq, 16), (2, 3, Lk, 16), (2, 3, Lk, 16), kind, dtype)
+        check_backend(backend, arrays, arrays64, dtype)
+
+
+@pytest.mark.parametrize("D,Dv", HEAD_DIMS)
+def test_head_dims(backend, rng, D, Dv):
+    kind = kind_of_backend(backend)
+    for dtype in ("float64", "float32"):
+        arrays, arrays64 = random_qkv(rng, (1, 2, 37, D), (1, 2, 53, D), (1, 2, 53, Dv), kind, dtype)
+        check_backend(backend, arrays, arrays64, dtype)
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 1), (4, 2), (6, 3), (8, 8)])
+def test_grouped_query(backend, rng, hq, hkv):
+    kind = kind_of_backend(backend)
+    arrays, arrays64 = random_qkv(rng, (2, hq, 29, 8), (2, hkv, 41, 8), (2, hkv, 41, 8), kind, "float32")
+    check_backend(backend, arrays, arrays64, "float32", mask=qkv.causal())
+    # each query head h uses kv head h // (hq // hkv): equal to repeating K/V explicitly
+    q, k, v = arrays64
+    group = hq // hkv
+    repeated = qkv.attention(q, np.repeat(k, group, 1), np.repeat(v, group, 1), backend="reference")
+    np.testing.assert_allclose(qkv.attention(q, k, v, backend="reference"), repeated, atol=1e-14)
+
+
+@pytest.mark.parametrize("shape", [(7, 5), (3, 7, 5), (2, 3, 2, 7, 5)])
+def test_ranks(backend, rng, shape):
+    """2-D is one head, 3-D is (H, L, D), more dims are batch dims, kept in the output."""
+    kind = kind_of_backend(backend)
+    arrays, arrays64 = random_qkv(rng, shape, shape, shape, kind, "float64")
+    out, _ = check_backend(backend, arrays, arrays64, "float64")
+    assert tuple(out.shape) == shape
+
+
+def test_scale(backend, rng):
+    kind = kind_of_backend(backend)
+    arrays, arrays64 = random_qkv(rng, (1, 2, 9, 4), (1, 2, 11, 4), (1, 2, 11, 4), kind, "float64")
+    check_backend(backend, arrays, arrays64, "float64", scale=0.3)
+    # scale=s equals the default on q pre-multiplied by s * sqrt(D)
+    q, k, v = arrays64
+    np.testing.assert_allclose(qkv.attention(q, k, v, scale=0.3, backend="reference"),
+                               qkv.attention(q * 0.3 * 2.0, k, v, backend="reference"), atol=1e-14)
+
+
+def test_oracle_is_the_formula(rng):
+    """The oracle itself against softmax(q kᵀ / sqrt(D)) v written out directly."""
+    q, k, v = (rng.standard_normal((2, 3, n, 6)) for n in (5, 7, 7))
+    s = q @ k.swapaxes(-1, -2) / np.sqrt(6)
+    w = np.exp(s - s.max(-1, keepdims=True))
+    w /= w.sum(-1, keepdims=True)
+    np.testing.assert_allclose(qkv.attention(q, k, v, backend="reference"), w @ v, atol=1e-14)
+    np.testing.assert_allclose(qkv.attention_weights(q, k), w, atol=1e-14)
+
+
+def test_large_logits_are_stable(backend, rng):
+    """Scores of ±1e4 must not overflow: the row max is subtracted before exp."""
+    kind = kind_of_backend(backend)
+    arrays, arrays64 = random_qkv(rng, (1, 1, 33, 8), (1, 1, 700, 8), (1, 1, 700, 8), kind, "float32")
+    out, lse = check_backend(backend, arrays, arrays64, "float32", scale=1e3)
+    assert np.isfinite(np.asarray(out.tolist())).all()

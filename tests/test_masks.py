@@ -1,0 +1,170 @@
+"""The mask language: each rule against its definition, the algebra, tiles, pictures,
+and every backend against the oracle for every mask kind."""
+import numpy as np
+import pytest
+
+import qkv
+from helpers import check_backend, kind_of_backend, random_qkv
+
+B, H = 2, 2
+
+
+def brute(rule, Lq, Lk, batch=B):
+    """The definition, one (b, i, j) at a time."""
+    return np.array([[[rule(b, i, j) for j in range(Lk)] for i in range(Lq)] for b in range(batch)])
+
+
+@pytest.mark.parametrize("Lq,Lk", [(4, 6), (6, 4), (5, 5), (1, 9)])
+def test_causal_alignments(Lq, Lk):
+    br = brute(lambda b, i, j: j <= i + Lk - Lq, Lq, Lk, 1)[0]
+    tl = brute(lambda b, i, j: j <= i, Lq, Lk, 1)[0]
+    np.testing.assert_array_equal(qkv.causal().materialize(Lq, Lk), br)
+    np.testing.assert_array_equal(qkv.causal(align="top_left").materialize(Lq, Lk), tl)
+
+
+@pytest.mark.parametrize("left,right,align", [(2, 0, "bottom_right"), (0, 3, "top_left"), (None, 1, "top_left"),
+                                              (3, None, "bottom_right"), (1, 1, "bottom_right")])
+def test_window(left, right, align):
+    Lq, Lk = 5, 8
+    off = Lk - Lq if align == "bottom_right" else 0
+    lo = 10**9 if left is None else left
+    hi = 10**9 if right is None else right
+    want = brute(lambda b, i, j: i + off - lo <= j <= i + off + hi, Lq, Lk, 1)[0]
+    np.testing.assert_array_equal(qkv.window(left, right, align).materialize(Lq, Lk), want)
+
+
+def test_padding():
+    kv, ql = [3, 6], [2, 5]
+    want = brute(lambda b, i, j: j < kv[b] and i < ql[b], 5, 6)
+    np.testing.assert_array_equal(qkv.padding(kv, ql).materialize(5, 6, batch=2), want)
+    want_kv = brute(lambda b, i, j: j < kv[b], 5, 6)
+    np.testing.assert_array_equal(qkv.padding(kv).materialize(5, 6, batch=2), want_kv)
+
+
+def test_document_and_prefix_lm():
+    ids = np.array([[0, 0, 1, 1, 1, 2], [5, 5, 5, 5, 7, 7]])
+    want = brute(lambda b, i, j: ids[b, i] == ids[b, j], 6, 6)
+    np.testing.assert_array_equal(qkv.document(ids).materialize(6, 6, batch=2), want)
+    kv_ids = np.array([[0, 1, 1, 2], [5, 7, 7, 7]])
+    want = brute(lambda b, i, j: ids[b, i] == kv_ids[b, j], 6, 4)
+    np.testing.assert_array_equal(qkv.document(ids, kv_ids).materialize(6, 4, batch=2), want)
+    lengths = [2, 4]
+    want = brute(lambda b, i, j: j < lengths[b] or j <= i, 6, 6)
+    np.testing.assert_array_equal(qkv.prefix_lm(lengths).materialize(6, 6, batch=2), want)
+
+
+def test_mask_fn_dense_and_algebra():
+    Lq, Lk = 6, 7
+    parity = qkv.mask_fn(lambda b, h, i, j: (i - j) % 2 == 0)
+    want_parity = brute(lambda b, i, j: (i - j) % 2 == 0, Lq, Lk, 1)[0]
+    np.testing.assert_array_equal(parity.materialize(Lq, Lk), want_parity)
+    causal = qkv.causal().materialize(Lq, Lk)
+    win = qkv.window(2).materialize(Lq, Lk)
+    prefix = qkv.prefix_lm([2]).materialize(Lq, Lk, batch=1)[0]
+    combined = qkv.causal() & qkv.window(left=2) | qkv.prefix_lm([2])
+    np.testing.assert_array_equal(combined.materialize(Lq, Lk, batch=1)[0], causal & win | prefix)
+    np.testing.assert_array_equal((~qkv.causal()).materialize(Lq, Lk), ~causal)
+    np.testing.assert_array_equal((parity & qkv.causal()).materialize(Lq, Lk), want_parity & causal)
+    dense = qkv.dense_mask(want_parity)
+    np.testing.assert_array_equal(dense.materialize(Lq, Lk), want_parity)
+
+
+def test_head_dependent_rule():
+    rule = qkv.mask_fn(lambda b, h, i, j: j <= i + h)
+    grid = rule.materialize(4, 4, heads=3)
+    for h in range(3):
+        np.testing.assert_array_equal(grid[h], brute(lambda b, i, j: j <= i + h, 4, 4, 1)[0])
+
+
+def test_to_string_draws_the_mask():
+    text = qkv.causal().to_string(3, 5)
+    rows = text.splitlines()[1:]
+    assert [r.split(" ")[1] for r in rows] == ["███··", "████·", "█████"]
+    assert "causal" in text.splitlines()[0]
+
+
+MASKS = {
+    "causal": lambda: qkv.causal(),
+    "causal_top_left": lambda: qkv.causal(align="top_left"),
+    "window": lambda: qkv.window(left=7, right=2),
+    "padding": lambda: qkv.padding([30, 0], q_lengths=[25, 33]),
+    "document": lambda Lq, Lk: qkv.document(np.sort(np.random.default_rng(0).integers(0, 4, (2, Lq))),
+                                            np.sort(np.random.default_rng(1).integers(0, 4, (2, Lk)))),
+    "document_unsorted": lambda Lq, Lk: qkv.document(np.random.default_rng(0).integers(0, 3, (2, Lq)),
+                                                     np.random.default_rng(1).integers(0, 3, (2, Lk))),
+    "prefix_lm": lambda: qkv.prefix_lm([5, 30]),
+    "mask_fn": lambda: qkv.mask_fn(lambda b, h, i, j: (i + j + h) % 3 != 0),
+    "dense": lambda Lq, Lk: qkv.dense_mask(np.random.default_rng(2).random((2, 1, Lq, Lk)) < 0.3),
+    "composed": lambda: (qkv.causal() & qkv.window(4)) | qkv.prefix_lm([3, 9]),
+    "not": lambda: ~qkv.window(3, 3),
+    "empty_rows": lambda: qkv.causal(align="top_left") & qkv.window(left=0, right=None, align="top_left")
+    & qkv.mask_fn(lambda b, h, i, j: i % 4 != 0),
+}
+
+
+@pytest.mark.parametrize("name", MASKS)
+@pytest.mark.parametrize("Lq,Lk", [(33, 57), (57, 33)])
+def test_backends_on_every_mask(backend, rng, name, Lq, Lk):
+    make = MASKS[name]
+    mask = make(Lq, Lk) if make.__code__.co_argcount == 2 else make()
+    kind = kind_of_backend(backend)
+    for dtype in ("float64", "float32"):
+        arrays, arrays64 = random_qkv(rng, (2, 4, Lq, 8), (2, 2, Lk, 8), (2, 2, Lk, 8), kind, dtype)
+        out, lse = check_backend(backend, arrays, arrays64, dtype, mask=mask)
+        allowed = mask.materialize(Lq, Lk, batch=2, heads=4)
+        no_key = ~allowed.any(-1)  # (B, H, Lq)
+        assert (np.asarray(out.tolist())[no_key] == 0).all()
+        assert np.isneginf(np.asarray(lse.tolist())[no_key]).all()
+
+
+def test_boolean_and_float_arrays(backend, rng):
+    kind = kind_of_backend(backend)
+    arrays, arrays64 = random_qkv(rng, (2, 3, 20, 8), (2, 3, 30, 8), (2, 3, 30, 8), kind, "float64")
+    allowed = rng.random((2, 1, 20, 30)) < 0.5
+    bias = rng.standard_normal((3, 20, 30))
+    from helpers import convert
+    as_kind = (lambda a: convert(a, kind, "float64")) if kind == "torch" else (lambda a: a)
+    bool_mask = as_kind(allowed.astype(np.float64)) > 0.5
+    check_backend(backend, arrays, arrays64, "float64", mask=bool_mask)
+    check_backend(backend, arrays, arrays64, "float64", mask=as_kind(bias))
+    # a float mask is an additive bias: -inf where a boolean mask says False gives the same answer
+    q, k, v = arrays64
+    as_bias = np.where(allowed, 0.0, -np.inf)
+    np.testing.assert_allclose(qkv.attention(q, k, v, as_bias, backend="reference"),
+                               qkv.attention(q, k, v, allowed, backend="reference"), atol=1e-14)
+
+
+@pytest.mark.parametrize("mod", [
+    lambda: qkv.alibi(np.array([0.5, 0.25, 0.125, 0.0625])),
+    lambda: qkv.softcap(2.0),
+    lambda: qkv.score_fn(lambda s, b, h, i, j: s - abs(i - j) * 0.125),  # exact in any float dtype
+    lambda: [qkv.alibi(np.array([0.5, 0.25, 0.125, 0.0625])), qkv.softcap(3.0)],
+])
+def test_score_modifiers(backend, rng, mod):
+    kind = kind_of_backend(backend)
+    arrays, arrays64 = random_qkv(rng, (2, 4, 19, 8), (2, 2, 23, 8), (2, 2, 23, 8), kind, "float64")
+    check_backend(backend, arrays, arrays64, "float64", mask=qkv.causal(), score_mod=mod())
+
+
+def test_modifier_definitions(rng):
+    q, k, v = (rng.standard_normal((1, 2, n, 4)) for n in (5, 6, 6))
+    s = q @ k.swapaxes(-1, -2) / 2.0
+    i, j = np.arange(5)[:, None] + 1, np.arange(6)[None]
+    slopes = np.array([0.5, 0.25])
+    np.testing.assert_allclose(qkv.attention_weights(q, k, score_mod=qkv.alibi(slopes)),
+                               _softmax(s - slopes[:, None, None] * np.abs(i - j)), atol=1e-14)
+    np.testing.assert_allclose(qkv.attention_weights(q, k, score_mod=qkv.softcap(1.5)),
+                               _softmax(1.5 * np.tanh(s / 1.5)), atol=1e-14)
+
+
+def _softmax(s):
+    e = np.exp(s - s.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def test_nan_in_unmasked_input_propagates(backend, rng):
+    kind = kind_of_backend(backend)
+    (q, k, v), _ = random_qkv(rng, (1, 1, 4, 8), (1, 1, 6, 8), (1, 1, 6, 8), kind, "float32")
+    v[0, 0, 2, 0] = float("nan")
+    out = np.asarray(qkv.attention(q, k, v, backend=backend).tolist())
+    assert np.isnan(out[0, 0, :, 0]).all()
