@@ -76,7 +76,10 @@ def broadcast_to(x, shape):
 
 
 def amax_last(x):
-    """Max over the last dim, kept (NaN propagates)."""
+    """Max over the last dim, kept (NaN propagates; -inf for an empty last dim)."""
+    if x.shape[-1] == 0:
+        shape = tuple(x.shape[:-1]) + (1,)
+        return x.new_full(shape, float("-inf")) if is_torch(x) else np.full(shape, -np.inf, dtype=x.dtype)
     return x.amax(dim=-1, keepdim=True) if is_torch(x) else x.max(axis=-1, keepdims=True)
 
 

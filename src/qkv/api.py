@@ -88,13 +88,12 @@ def scaled_dot_product_attention(query, key, value, mask=None):
     >>> q = k = v = torch.randn(2, 10, 64)
     >>> out, w = qkv.scaled_dot_product_attention(q, k, v)   # (2, 10, 64), (2, 10, 10)
     """
+    inputs.check_qkv(query, key, value, names=("query", "key", "value"))
     if mask is not None:
-        if _arrays.kind_of(mask) is None:
-            raise TypeError(f"mask must be a numpy.ndarray or torch.Tensor (0 = masked), got {type(mask).__name__}")
+        inputs.check_seed_mask(mask, query, key)
         mask = mask != 0
         mask = mask.reshape((1,) * (2 - mask.ndim) + tuple(mask.shape)) if mask.ndim < 2 else mask
         mask = mask[..., None, :, :] if mask.ndim >= 3 else mask  # room for the head axis
-    inputs.check_qkv(query, key, value)
     q, k, v = (x[..., None, :, :] for x in (query, key, value))  # (..., 1, L, D): one head
     inp = inputs.prepare(q, k, v, mask)
     out, _, weights = _formula(inp)

@@ -30,7 +30,7 @@ def register(backend: Backend, *, first: bool = True) -> None:
 
 
 def get(name: str) -> Backend:
-    if name not in REGISTRY:
+    if not isinstance(name, str) or name not in REGISTRY:
         raise ValueError(f"backend must be None or one of {', '.join(map(repr, REGISTRY))}; got {name!r}")
     return REGISTRY[name]
 

@@ -214,12 +214,13 @@ def _check_tensor(name, x, kind):
     return got
 
 
-def check_qkv(q, k, v):
-    """Validate q, k, v and return their kind."""
-    kind = _check_tensor("q", q, None)
-    _check_tensor("k", k, kind)
-    _check_tensor("v", v, kind)
-    dtypes = {n: _dtype_name(x) for n, x in (("q", q), ("k", k), ("v", v))}
+def check_qkv(q, k, v, names=("q", "k", "v")):
+    """Validate q, k, v and return their kind (`names` are the caller's argument names)."""
+    nq, nk, nv = names
+    kind = _check_tensor(nq, q, None)
+    _check_tensor(nk, k, kind)
+    _check_tensor(nv, v, kind)
+    dtypes = {n: _dtype_name(x) for n, x in ((nq, q), (nk, k), (nv, v))}
     if len(set(dtypes.values())) > 1:
         raise TypeError(f"q, k and v must share one dtype (no silent casts); got {dtypes}")
     if kind == "torch" and len({str(x.device) for x in (q, k, v)}) > 1:
@@ -244,6 +245,20 @@ def check_qkv(q, k, v):
             raise ValueError(f"q's heads ({hq}) must be a multiple of k's heads ({hkv}) "
                              f"(grouped-query attention): q {qs}, k {ks}")
     return kind
+
+
+def check_seed_mask(mask, query, key):
+    """The seed door's mask: any array broadcastable to (batch, seq_q, seq_k), 0 = masked."""
+    if _arrays.kind_of(mask) is None:
+        raise TypeError(f"mask must be a numpy.ndarray or torch.Tensor (0 = masked), got {type(mask).__name__}")
+    target = tuple(query.shape[:-1]) + (key.shape[-2],)
+    try:
+        np.broadcast_shapes(tuple(mask.shape), target)
+        fits = mask.ndim <= len(target)
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to (batch, seq_q, seq_k) = {target}")
 
 
 def check_scale(scale, head_dim):

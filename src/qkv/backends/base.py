@@ -59,6 +59,10 @@ class Backend:
     def extra_reasons(self, inp) -> list[str]:
         return []
 
+    def block_sizes(self, inp) -> tuple[int, int] | None:
+        """(block_q, block_k) of a tiled kernel for these inputs; None if it does not tile."""
+        return None
+
     def forward(self, inp):
         """(out (B, Hq, Lq, Dv), lse (B, Hq, Lq)) of the inputs' kind."""
         raise NotImplementedError

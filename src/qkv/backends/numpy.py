@@ -32,6 +32,9 @@ class NumpyBackend(Backend):
     block_q = 128
     block_k = 512
 
+    def block_sizes(self, inp):
+        return self.block_q, self.block_k
+
     def forward(self, inp):
         cdt = compute_dtype_name(inp.dtype)
         out = np.zeros((inp.B, inp.Hq, inp.Lq, inp.Dv), dtype=inp.dtype)

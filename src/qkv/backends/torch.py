@@ -233,6 +233,9 @@ class TorchBackend(Backend):
             return "PyTorch is not installed (pip install qkv[torch])"
         return None
 
+    def block_sizes(self, inp):
+        return choose_blocks(inp.B * inp.Hkv, inp.group, inp.Lq, inp.Lk)
+
     def forward(self, inp):
         global _function
         if _function is None:
