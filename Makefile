@@ -11,7 +11,7 @@ $(VENV)/.created:
 	touch $@
 
 $(VENV)/.demo: $(VENV)/.created pyproject.toml constraints.txt
-	$(PIP) -e ".[torch]"
+	$(PIP) -e ".[torch,cpu]"
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.created pyproject.toml constraints.txt

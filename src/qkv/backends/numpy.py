@@ -18,6 +18,11 @@ from .tiling import TileRule, partial_flags
 
 _pool: ThreadPoolExecutor | None = None
 
+try:  # our threads split the work; BLAS threads inside them would only oversubscribe the cores
+    from threadpoolctl import threadpool_limits
+except ImportError:  # optional (pip install qkv[cpu]): without it BLAS keeps its own threads
+    threadpool_limits = None
+
 
 def _threads() -> ThreadPoolExecutor:
     global _pool
@@ -29,8 +34,8 @@ def _threads() -> ThreadPoolExecutor:
 class NumpyBackend(Backend):
     name = "numpy"
     caps = Capabilities(kinds=("numpy",), devices=("cpu",), dtypes=("float64", "float32", "float16"), dropout=True)
-    block_q = 128
-    block_k = 512
+    block_q = 256
+    block_k = 1024
 
     def block_sizes(self, inp):
         return self.block_q, self.block_k
@@ -41,7 +46,12 @@ class NumpyBackend(Backend):
         lse = np.full((inp.B, inp.Hq, inp.Lq), -np.inf, dtype=cdt)
         classes = row_tile_classes(inp, self.block_q, self.block_k)  # (R, nq, nk) or None
         work = [(r, t) for r in range(inp.B * inp.Hkv) for t in range(cdiv(inp.Lq, self.block_q))]
-        list(_threads().map(lambda rt: self._query_tile(inp, classes, cdt, out, lse, *rt), work))
+        run = lambda rt: self._query_tile(inp, classes, cdt, out, lse, *rt)  # noqa: E731
+        if len(work) > 1 and threadpool_limits is not None:
+            with threadpool_limits(limits=1, user_api="blas"):
+                list(_threads().map(run, work))
+        else:
+            list(_threads().map(run, work))
         return out, lse
 
     def _query_tile(self, inp, classes, cdt, out, lse, r, t):
@@ -65,7 +75,7 @@ class NumpyBackend(Backend):
                 s = np.where(allowed[0], s, -np.inf)
             m_new = np.maximum(m, s.max(axis=1, keepdims=True))
             safe_m = np.where(m_new == -np.inf, 0, m_new)  # rows with nothing allowed yet
-            p = np.exp(s - safe_m)  # (G*bq, bk)
+            p = np.exp(np.subtract(s, safe_m, out=s), out=s)  # (G*bq, bk), in place: s is a temporary
             alpha = np.exp(m - safe_m)  # rescales what was summed under the old max
             l = l * alpha + p.sum(axis=1, keepdims=True)
             keep = rule.dropout(p[None])

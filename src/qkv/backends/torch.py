@@ -112,7 +112,7 @@ def _online_step(m, l, acc, s, vt, keep):
 
     m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
     safe_m = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)  # rows with nothing yet
-    p = torch.exp(s - safe_m)  # (r, n, bk)
+    p = s.sub_(safe_m).exp_()  # (r, n, bk), in place: s is a temporary
     alpha = torch.exp(m - safe_m)  # rescales what was summed under the old max
     l = l * alpha + p.sum(dim=-1, keepdim=True)
     if keep is not None:

@@ -1,0 +1,106 @@
+"""A KV cache for decoding: the keys and values of every token seen so far.
+
+Shape legend:
+    B       batch rows
+    Hkv     key/value heads (num_kv_heads of the module)
+    T       max_len, the positions reserved up front
+    depth   per-head feature size
+    n       new tokens in one call
+    length  positions filled so far
+
+The cache preallocates ``keys`` and ``values`` of shape (B, Hkv, T, depth) once;
+each call of a module with ``cache=`` writes its n new keys/values at
+``[length, length + n)`` in place and attends over ``[0, length + n)`` with the
+bottom-right causal mask (``qkv.causal()``): the new queries see every cached key
+and are causal among themselves. The same class serves NumPy and torch modules.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _arrays, inputs
+
+
+class KVCache:
+    """Preallocated keys and values (B, Hkv, max_len, depth) and the number of filled positions.
+
+    Create one with ``module.init_cache(batch_size, max_len)``. Writing happens in two
+    steps, ``stage`` then ``commit``, so a call that fails in between leaves the cache as
+    it was. With torch, decode under ``torch.no_grad()``: the cache is written in place.
+    """
+
+    def __init__(self, keys, values):
+        if _arrays.kind_of(keys) is None or _arrays.kind_of(values) is None:
+            raise TypeError("keys and values must be NumPy arrays or torch tensors of shape (B, Hkv, max_len, depth)")
+        if keys.ndim != 4 or tuple(keys.shape) != tuple(values.shape):
+            raise ValueError(f"keys and values must both have shape (B, Hkv, max_len, depth); "
+                             f"got {tuple(keys.shape)} and {tuple(values.shape)}")
+        self.keys = keys  # (B, Hkv, T, depth)
+        self.values = values  # (B, Hkv, T, depth)
+        self.length = 0
+
+    @classmethod
+    def empty(cls, batch_size, num_kv_heads, max_len, depth, like) -> "KVCache":
+        """A cache of zeros with the kind, dtype (and device) of the array ``like``."""
+        shape = (inputs.check_positive_int("batch_size", batch_size),
+                 inputs.check_positive_int("num_kv_heads", num_kv_heads),
+                 inputs.check_positive_int("max_len", max_len),
+                 inputs.check_positive_int("depth", depth))
+        return cls(_zeros(shape, like), _zeros(shape, like))
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.keys.shape[2]
+
+    def stage(self, k, v):
+        """Write new keys/values (B, Hkv, n, depth) after the filled positions, without committing.
+
+        Returns views (B, Hkv, length + n, depth) of the keys and values to attend over.
+        """
+        n = k.shape[2]
+        self._check_new(k, v)
+        if self.length + n > self.max_len:
+            raise ValueError(f"the KV cache is full: it holds max_len={self.max_len} positions, "
+                             f"{self.length} are filled and this call adds {n}; "
+                             "create it with a larger max_len (module.init_cache(batch_size, max_len))")
+        end = self.length + n
+        self.keys[:, :, self.length:end] = k
+        self.values[:, :, self.length:end] = v
+        return self.keys[:, :, :end], self.values[:, :, :end]  # (B, Hkv, length + n, depth)
+
+    def commit(self, n: int) -> None:
+        """Make the n staged positions part of the cache."""
+        self.length += n
+
+    def reset(self) -> None:
+        """Forget every position (the arrays are kept and overwritten by the next calls)."""
+        self.length = 0
+
+    def _check_new(self, k, v):
+        want = (self.batch_size, self.keys.shape[1], self.keys.shape[3])
+        for name, x in (("keys", k), ("values", v)):
+            if _arrays.kind_of(x) != _arrays.kind_of(self.keys):
+                raise TypeError(f"new {name} are {_arrays.kind_of(x)} but the cache holds "
+                                f"{_arrays.kind_of(self.keys)} arrays")
+            got = (x.shape[0], x.shape[1], x.shape[3])
+            if got != want:
+                raise ValueError(f"new {name} have (batch, heads, depth) = {got} but the cache was made for {want}; "
+                                 "create the cache with module.init_cache(batch_size, max_len)")
+            if x.dtype != self.keys.dtype:
+                raise TypeError(f"new {name} have dtype {x.dtype} but the cache holds {self.keys.dtype}")
+
+    def __repr__(self):
+        B, H, T, depth = self.keys.shape
+        return f"KVCache(batch_size={B}, num_kv_heads={H}, depth={depth}, length={self.length}, max_len={T})"
+
+
+def _zeros(shape, like):
+    if _arrays.is_torch(like):
+        import torch
+
+        return torch.zeros(shape, dtype=like.dtype, device=like.device)
+    return np.zeros(shape, dtype=like.dtype)

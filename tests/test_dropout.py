@@ -1,0 +1,53 @@
+"""Dropout: the right keep rate and scaling, reproducible seeds, the same drops on every backend."""
+import numpy as np
+import pytest
+
+import qkv
+from helpers import convert, to64
+
+torch = pytest.importorskip("torch")
+
+L, P = 256, 0.3
+
+
+def keep_pattern(backend, kind, p=P, seed=11):
+    """With uniform weights (q = 0) and v = identity, out[i, j] = keep[i, j] / ((1 - p) * L)."""
+    q = convert(np.zeros((1, 1, L, 4)), kind, "float64")
+    k = convert(np.ones((1, 1, L, 4)), kind, "float64")
+    v = convert(np.eye(L)[None, None], kind, "float64")
+    out = to64(qkv.attention(q, k, v, dropout_p=p, seed=seed, backend=backend))[0, 0]
+    return out * (1 - p) * L
+
+
+@pytest.mark.parametrize("backend,kind", [("torch", "torch"), ("numpy", "numpy"), ("reference", "numpy")])
+def test_keep_rate_and_scaling(backend, kind):
+    keep = keep_pattern(backend, kind)
+    np.testing.assert_allclose(keep[(keep > 0.5)], 1.0, atol=1e-12)  # kept entries scaled by 1/(1-p)
+    assert np.isin(np.round(keep, 9), [0.0, 1.0]).all()
+    rate = keep.mean()
+    sigma = np.sqrt(P * (1 - P) / keep.size)
+    assert abs(rate - (1 - P)) < 5 * sigma, f"keep rate {rate:.4f}, expected {1 - P} ± {5 * sigma:.4f}"
+
+
+def test_same_seed_same_drops_on_every_backend():
+    patterns = [keep_pattern(b, k) for b, k in [("torch", "torch"), ("numpy", "numpy"), ("reference", "numpy")]]
+    for other in patterns[1:]:
+        np.testing.assert_array_equal(np.round(other), np.round(patterns[0]))
+    assert not np.array_equal(np.round(keep_pattern("torch", "torch", seed=12)), np.round(patterns[0]))
+
+
+def test_no_seed_follows_torch_manual_seed():
+    q = k = v = torch.randn(1, 1, 16, 8)
+    torch.manual_seed(0)
+    a = qkv.attention(q, k, v, dropout_p=0.5)
+    torch.manual_seed(0)
+    b = qkv.attention(q, k, v, dropout_p=0.5)
+    c = qkv.attention(q, k, v, dropout_p=0.5)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_dropout_is_unbiased_on_average():
+    rng = np.random.default_rng(0)
+    q, k, v = (torch.tensor(rng.standard_normal((1, 2, 8, 4))) for _ in range(3))
+    mean = sum(qkv.attention(q, k, v, dropout_p=0.5, seed=s) for s in range(2000)) / 2000
+    np.testing.assert_allclose(mean.numpy(), qkv.attention(q, k, v).numpy(), atol=0.06)

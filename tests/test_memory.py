@@ -1,0 +1,49 @@
+"""O(N) memory: one head, Lq = Lk = 65536, D = 64, float32, through the automatic backend.
+
+The plain formula would hold a 65536 x 65536 float32 matrix (16 GiB). Each run happens in a
+fresh subprocess that reports how much its peak resident memory grew during the call,
+beyond the output it returns.
+"""
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+LIMIT = 64 * 2**20
+
+SCRIPT = textwrap.dedent("""
+    import json, resource, sys
+    import numpy as np
+    import qkv
+    kind, L = sys.argv[1], int(sys.argv[2])
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, L, 64), dtype=np.float32) for _ in range(3))
+    if kind == "torch":
+        import torch
+        q, k, v = (torch.from_numpy(x) for x in (q, k, v))
+    chosen = qkv.explain(q, k, v).backend
+    qkv.attention(q[:, :300], k[:, :300], v[:, :300])  # warm up thread pools and libraries
+    peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # bytes on Linux
+    before = peak()
+    out = qkv.attention(q, k, v)
+    grown = peak() - before - L * 64 * 4  # minus the output itself
+    finite = bool(np.isfinite(np.asarray(out)).all())
+    print(json.dumps({"grown": grown, "backend": chosen, "finite": finite, "shape": list(out.shape)}))
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss is in KiB on Linux only")
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_long_sequence_stays_linear_in_memory(kind):
+    if kind == "torch":
+        pytest.importorskip("torch")
+    L = 65536
+    result = subprocess.run([sys.executable, "-c", SCRIPT, kind, str(L)], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["shape"] == [1, L, 64] and report["finite"]
+    assert report["backend"] != "reference"
+    assert report["grown"] < LIMIT, f"{kind} via {report['backend']}: peak grew by {report['grown'] / 2**20:.1f} MiB"
