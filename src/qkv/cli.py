@@ -1,0 +1,108 @@
+"""The qkv command: qkv demo | info | check."""
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+
+import numpy as np
+
+
+def cmd_info(args) -> int:
+    """Versions, the machine, and every backend with whether it can run here and why not."""
+    import qkv
+    from qkv import dispatch
+
+    print(f"qkv {qkv.__version__}  python {platform.python_version()}  numpy {np.__version__}  "
+          f"torch {_torch_version()}")
+    print(f"machine: {_cpu_name()}, {platform.machine()}, {_cpu_count()} CPUs")
+    print("backends (automatic choice in this order):")
+    for name, backend in dispatch.REGISTRY.items():
+        missing = backend.missing()
+        state = "available" if missing is None else f"unavailable: {missing}"
+        caps = backend.caps
+        auto = "" if backend.automatic and not caps.materializes else " [never automatic]"
+        print(f"  {name:<10} {state}{auto}")
+        print(f"  {'':<10} arrays {'/'.join(caps.kinds)}, dtypes {', '.join(caps.dtypes)}, "
+              f"grad {'yes' if caps.gradients else 'no'}, dropout {'yes' if caps.dropout else 'no'}")
+    return 0
+
+
+def cmd_check(args) -> int:
+    """A quick self-test: every available backend against the float64 reference."""
+    import qkv
+    from qkv import dispatch
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 4, n, 32)) for n in (67, 91, 91))
+    want = qkv.attention(q, k, v, qkv.causal(), backend="reference")
+    failures = 0
+    for name, backend in dispatch.REGISTRY.items():
+        if name == "reference" or backend.missing():
+            continue
+        arrays = (q, k, v) if "numpy" in backend.caps.kinds else _as_torch(q, k, v)
+        got = np.asarray(qkv.attention(*arrays, qkv.causal(), backend=name).tolist())
+        err = float(np.abs(got - want).max())
+        ok = err < 1e-10
+        failures += not ok
+        print(f"{name:<10} float64 causal, max error {err:.1e}  {'ok' if ok else 'FAILED'}")
+    return 1 if failures else 0
+
+
+def cmd_demo(args) -> int:
+    from qkv import demo
+
+    demo.run()
+    return 0
+
+
+def _as_torch(*arrays):
+    import torch
+
+    return tuple(torch.tensor(a) for a in arrays)
+
+
+def _torch_version() -> str:
+    try:
+        import torch
+    except ImportError:
+        return "not installed"
+    return torch.__version__
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def _cpu_count() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qkv", description="Exact attention for Python.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="command")
+    for name, func, text in [
+        ("demo", cmd_demo, "walk through the seed examples, masks, decoding and a long sequence"),
+        ("info", cmd_info, "versions, machine, and which backends can run here (and why not)"),
+        ("check", cmd_check, "check every available backend against the float64 reference"),
+    ]:
+        sub.add_parser(name, help=text, description=text).set_defaults(func=func)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
