@@ -24,11 +24,24 @@ BACKENDS = [name for name, b in dispatch.REGISTRY.items() if name != "reference"
 
 
 def kind_of_backend(name: str) -> str:
-    return dispatch.REGISTRY[name].caps.kinds[0]
+    """The array kind to test a backend with: torch where it takes torch (bfloat16 needs it)."""
+    kinds = dispatch.REGISTRY[name].caps.kinds
+    return "torch" if "torch" in kinds and torch is not None else kinds[0]
 
 
-def dtypes_of_backend(name: str) -> list[str]:
-    return list(dispatch.REGISTRY[name].caps.dtypes)
+def dtypes_of_backend(name: str, wanted=None) -> list[str]:
+    """The backend's dtypes (those of `wanted` it supports, when given)."""
+    dtypes = [d for d in dispatch.REGISTRY[name].caps.dtypes if d != "bfloat16" or torch is not None]
+    return dtypes if wanted is None else [d for d in wanted if d in dtypes]
+
+
+def precise_dtype(name: str) -> str:
+    """The most precise dtype a backend supports."""
+    return dtypes_of_backend(name, ("float64", "float32"))[0]
+
+
+#: Round-off allowed where two exact computations only differ in summation order.
+REORDER_ATOL = {"float64": 1e-12, "float32": 2e-5}
 
 
 def convert(x64: np.ndarray, kind: str, dtype: str):

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import qkv
-from helpers import check_backend, dtypes_of_backend, kind_of_backend, random_qkv
+from helpers import check_backend, dtypes_of_backend, kind_of_backend, precise_dtype, random_qkv
 
 SIZES = [(1, 1), (3, 17), (17, 3), (113, 129), (128, 128), (129, 513), (513, 129)]
 HEAD_DIMS = [(1, 1), (8, 8), (40, 40), (64, 64), (80, 80), (128, 128), (256, 256), (64, 24), (16, 100)]
@@ -20,7 +20,7 @@ def test_sizes(backend, rng, Lq, Lk):
 @pytest.mark.parametrize("D,Dv", HEAD_DIMS)
 def test_head_dims(backend, rng, D, Dv):
     kind = kind_of_backend(backend)
-    for dtype in ("float64", "float32"):
+    for dtype in dtypes_of_backend(backend, ("float64", "float32")):
         arrays, arrays64 = random_qkv(rng, (1, 2, 37, D), (1, 2, 53, D), (1, 2, 53, Dv), kind, dtype)
         check_backend(backend, arrays, arrays64, dtype)
 
@@ -41,15 +41,17 @@ def test_grouped_query(backend, rng, hq, hkv):
 def test_ranks(backend, rng, shape):
     """2-D is one head, 3-D is (H, L, D), more dims are batch dims, kept in the output."""
     kind = kind_of_backend(backend)
-    arrays, arrays64 = random_qkv(rng, shape, shape, shape, kind, "float64")
-    out, _ = check_backend(backend, arrays, arrays64, "float64")
+    dtype = precise_dtype(backend)
+    arrays, arrays64 = random_qkv(rng, shape, shape, shape, kind, dtype)
+    out, _ = check_backend(backend, arrays, arrays64, dtype)
     assert tuple(out.shape) == shape
 
 
 def test_scale(backend, rng):
     kind = kind_of_backend(backend)
-    arrays, arrays64 = random_qkv(rng, (1, 2, 9, 4), (1, 2, 11, 4), (1, 2, 11, 4), kind, "float64")
-    check_backend(backend, arrays, arrays64, "float64", scale=0.3)
+    dtype = precise_dtype(backend)
+    arrays, arrays64 = random_qkv(rng, (1, 2, 9, 4), (1, 2, 11, 4), (1, 2, 11, 4), kind, dtype)
+    check_backend(backend, arrays, arrays64, dtype, scale=0.3)
     # scale=s equals the default on q pre-multiplied by s * sqrt(D)
     q, k, v = arrays64
     np.testing.assert_allclose(qkv.attention(q, k, v, scale=0.3, backend="reference"),

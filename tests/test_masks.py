@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import qkv
-from helpers import check_backend, kind_of_backend, random_qkv
+from helpers import check_backend, dtypes_of_backend, kind_of_backend, precise_dtype, random_qkv
 
 B, H = 2, 2
 
@@ -108,7 +108,7 @@ def test_backends_on_every_mask(backend, rng, name, Lq, Lk):
     make = MASKS[name]
     mask = make(Lq, Lk) if make.__code__.co_argcount == 2 else make()
     kind = kind_of_backend(backend)
-    for dtype in ("float64", "float32"):
+    for dtype in dtypes_of_backend(backend, ("float64", "float32")):
         arrays, arrays64 = random_qkv(rng, (2, 4, Lq, 8), (2, 2, Lk, 8), (2, 2, Lk, 8), kind, dtype)
         out, lse = check_backend(backend, arrays, arrays64, dtype, mask=mask)
         allowed = mask.materialize(Lq, Lk, batch=2, heads=4)
@@ -118,15 +118,14 @@ def test_backends_on_every_mask(backend, rng, name, Lq, Lk):
 
 
 def test_boolean_and_float_arrays(backend, rng):
-    kind = kind_of_backend(backend)
-    arrays, arrays64 = random_qkv(rng, (2, 3, 20, 8), (2, 3, 30, 8), (2, 3, 30, 8), kind, "float64")
+    kind, dtype = kind_of_backend(backend), precise_dtype(backend)
+    arrays, arrays64 = random_qkv(rng, (2, 3, 20, 8), (2, 3, 30, 8), (2, 3, 30, 8), kind, dtype)
     allowed = rng.random((2, 1, 20, 30)) < 0.5
     bias = rng.standard_normal((3, 20, 30))
     from helpers import convert
-    as_kind = (lambda a: convert(a, kind, "float64")) if kind == "torch" else (lambda a: a)
-    bool_mask = as_kind(allowed.astype(np.float64)) > 0.5
-    check_backend(backend, arrays, arrays64, "float64", mask=bool_mask)
-    check_backend(backend, arrays, arrays64, "float64", mask=as_kind(bias))
+    bool_mask = convert(allowed.astype(np.float64), kind, dtype) > 0.5
+    check_backend(backend, arrays, arrays64, dtype, mask=bool_mask)
+    check_backend(backend, arrays, arrays64, dtype, mask=convert(bias, kind, dtype))
     # a float mask is an additive bias: -inf where a boolean mask says False gives the same answer
     q, k, v = arrays64
     as_bias = np.where(allowed, 0.0, -np.inf)
@@ -141,9 +140,14 @@ def test_boolean_and_float_arrays(backend, rng):
     lambda: [qkv.alibi(np.array([0.5, 0.25, 0.125, 0.0625])), qkv.softcap(3.0)],
 ])
 def test_score_modifiers(backend, rng, mod):
-    kind = kind_of_backend(backend)
-    arrays, arrays64 = random_qkv(rng, (2, 4, 19, 8), (2, 2, 23, 8), (2, 2, 23, 8), kind, "float64")
-    check_backend(backend, arrays, arrays64, "float64", mask=qkv.causal(), score_mod=mod())
+    kind, dtype = kind_of_backend(backend), precise_dtype(backend)
+    arrays, arrays64 = random_qkv(rng, (2, 4, 19, 8), (2, 2, 23, 8), (2, 2, 23, 8), kind, dtype)
+    mods = mod()
+    if backend == "native" and any(isinstance(m, type(qkv.score_fn(abs))) for m in np.atleast_1d(mods)):
+        with pytest.raises(qkv.BackendError, match="score_fn"):
+            qkv.attention(*arrays, qkv.causal(), score_mod=mods, backend=backend)
+        return
+    check_backend(backend, arrays, arrays64, dtype, mask=qkv.causal(), score_mod=mods)
 
 
 def test_modifier_definitions(rng):

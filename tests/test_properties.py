@@ -5,7 +5,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import qkv
-from helpers import convert, kind_of_backend, to64
+from helpers import REORDER_ATOL, convert, kind_of_backend, precise_dtype, to64
 
 sizes = st.integers(1, 40)
 settings.register_profile("qkv", max_examples=25, deadline=None,
@@ -53,26 +53,26 @@ def test_permuting_keys_and_values_together_changes_nothing(backend, problem):
     if mask is not None:  # permute the mask's key axis too: use its materialised form
         mask = mask.materialize(q.shape[2], k.shape[2], batch=q.shape[0], heads=q.shape[1])
     perm = rng.permutation(k.shape[2])
-    kind = kind_of_backend(backend)
-    as_kind = lambda x: convert(x, kind, "float64")  # noqa: E731
+    kind, dtype = kind_of_backend(backend), precise_dtype(backend)
+    as_kind = lambda x: convert(x, kind, dtype)  # noqa: E731
     as_mask = lambda m: None if m is None else (as_kind(m.astype(float)) > 0.5)  # noqa: E731
     out = qkv.attention(as_kind(q), as_kind(k), as_kind(v), as_mask(mask), backend=backend)
     permuted = qkv.attention(as_kind(q), as_kind(k[:, :, perm]), as_kind(v[:, :, perm]),
                              None if mask is None else as_mask(mask[..., perm]), backend=backend)
-    np.testing.assert_allclose(to64(permuted), to64(out), atol=1e-12)
+    np.testing.assert_allclose(to64(permuted), to64(out), atol=REORDER_ATOL[dtype])
 
 
 @given(problem=problems())
 def test_all_true_mask_equals_no_mask(backend, problem):
     q, k, v, _, _ = problem
-    kind = kind_of_backend(backend)
-    q, k, v = (convert(x, kind, "float64") for x in (q, k, v))
+    kind, dtype = kind_of_backend(backend), precise_dtype(backend)
+    q, k, v = (convert(x, kind, dtype) for x in (q, k, v))
     everything = qkv.window(None, None)
     np.testing.assert_allclose(to64(qkv.attention(q, k, v, everything, backend=backend)),
-                               to64(qkv.attention(q, k, v, backend=backend)), atol=1e-13)
+                               to64(qkv.attention(q, k, v, backend=backend)), atol=REORDER_ATOL[dtype])
     all_true = qkv.mask_fn(lambda b, h, i, j: (i >= 0) & (j >= 0))
     np.testing.assert_allclose(to64(qkv.attention(q, k, v, all_true, backend=backend)),
-                               to64(qkv.attention(q, k, v, backend=backend)), atol=1e-13)
+                               to64(qkv.attention(q, k, v, backend=backend)), atol=REORDER_ATOL[dtype])
 
 
 @given(problems())

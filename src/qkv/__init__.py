@@ -8,6 +8,7 @@ from .api import attention, attention_weights, explain, scaled_dot_product_atten
 from .dispatch import BackendError
 from .masks import (EMPTY, FULL, PARTIAL, Mask, ScoreMod, alibi, causal, dense_mask, document, mask_fn,
                     padding, prefix_lm, score_fn, softcap, window)
+from .nn import MultiHeadAttention
 
 __version__ = "0.1.0"
 
@@ -15,5 +16,14 @@ __all__ = [
     "attention", "attention_weights", "explain", "scaled_dot_product_attention", "BackendError",
     "Mask", "ScoreMod", "EMPTY", "PARTIAL", "FULL",
     "causal", "window", "padding", "document", "prefix_lm", "mask_fn", "dense_mask",
-    "alibi", "softcap", "score_fn",
+    "alibi", "softcap", "score_fn", "MultiHeadAttention",
 ]
+
+
+def __getattr__(name):
+    """`qkv.torch` and `qkv.demo` load on first use (torch is optional and slow to import)."""
+    if name in ("torch", "demo", "positional"):
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'qkv' has no attribute {name!r}")

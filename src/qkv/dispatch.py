@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .backends.base import Backend
+from .backends.native import NativeBackend
 from .backends.numpy import NumpyBackend
 from .backends.reference import ReferenceBackend
 from .backends.torch import TorchBackend
@@ -19,7 +20,8 @@ class BackendError(RuntimeError):
 
 
 #: Every backend, in order of preference for automatic choice.
-REGISTRY: dict[str, Backend] = {b.name: b for b in (TorchBackend(), NumpyBackend(), ReferenceBackend())}
+REGISTRY: dict[str, Backend] = {
+    b.name: b for b in (NativeBackend(), TorchBackend(), NumpyBackend(), ReferenceBackend())}
 
 
 def register(backend: Backend, *, first: bool = True) -> None:

@@ -131,9 +131,13 @@ class Mask:
         shape = batch_shape + (() if heads is None else (n_heads,)) + (Lq, Lk)
         return np.ascontiguousarray(full).reshape(shape)
 
-    def to_string(self, Lq: int, Lk: int, *, batch: int = 0, head: int = 0) -> str:
-        """Draw the mask for one batch row and head: '█' = attend, '·' = masked."""
-        grid = self.materialize(Lq, Lk, batch=batch + 1, heads=head + 1)[batch, head]
+    def to_string(self, Lq: int, Lk: int, *, batch: int = 0, head: int = 0, batch_size: int | None = None) -> str:
+        """Draw the mask for one batch row and head: '█' = attend, '·' = masked.
+
+        batch_size: how many batch rows the mask's data holds (default batch + 1).
+        """
+        rows = batch + 1 if batch_size is None else batch_size
+        grid = self.materialize(Lq, Lk, batch=rows, heads=head + 1)[batch, head]
         width = len(str(max(Lq, Lk) - 1))
         lines = [f"{self!r}  (rows: {Lq} queries, columns: {Lk} keys)"]
         for i, row in enumerate(grid):

@@ -119,16 +119,16 @@ class AttentionCore:
         return y + getattr(self, "b_" + which) if self.bias else y
 
     # ---- the computation --------------------------------------------------------------------
-    def call(self, inputs_):
+    def call(self, tensors):
         """The seed's entry point: ``call([Q, K, V])`` -> (output, attention_weights).
 
         Q (B, Lq, d_model), K and V (B, Lk, d_model); output (B, Lq, d_model),
         attention_weights (B, num_heads, Lq, Lk).
         """
-        if not isinstance(inputs_, (list, tuple)) or len(inputs_) != 3:
-            raise TypeError(f"call expects a list [Q, K, V], got {type(inputs_).__name__}"
-                            + (f" of length {len(inputs_)}" if isinstance(inputs_, (list, tuple)) else ""))
-        Q, K, V = inputs_
+        if not isinstance(tensors, (list, tuple)) or len(tensors) != 3:
+            length = f" of length {len(tensors)}" if isinstance(tensors, (list, tuple)) else ""
+            raise TypeError(f"call expects a list [Q, K, V], got {type(tensors).__name__}{length}")
+        Q, K, V = tensors
         return self(Q, K, V, need_weights=True)
 
     def init_cache(self, batch_size, max_len) -> KVCache:
@@ -180,11 +180,12 @@ class AttentionCore:
 
     def _check_input(self, name, x):
         kind = _arrays.kind_of(x)
+        if kind is None:
+            raise TypeError(f"{name} must be a {_KIND_NAMES[self._kind]}, got {type(x).__name__}")
         if kind != self._kind:
-            other = ("qkv.torch.MultiHeadAttention for torch tensors" if self._kind == "numpy"
-                     else "qkv.MultiHeadAttention for NumPy arrays")
-            got = type(x).__name__ if kind is None else f"a {kind} array"
-            raise TypeError(f"{name} must be a {_KIND_NAMES[self._kind]}, got {got} (use {other})")
+            other = "qkv.torch.MultiHeadAttention" if kind == "torch" else "qkv.MultiHeadAttention"
+            raise TypeError(f"{name} must be a {_KIND_NAMES[self._kind]}, got a {_KIND_NAMES[kind]}; "
+                            f"for {kind} inputs use {other}")
         if x.ndim != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"{name} must have shape (batch, length, d_model={self.d_model}), "
                              f"got {tuple(x.shape)}")

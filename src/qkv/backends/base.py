@@ -35,12 +35,11 @@ class Backend:
 
     def unsupported(self, inp) -> list[str]:
         """Reasons this backend cannot run this call; empty means it can."""
-        missing = self.missing()
-        if missing:
-            return [missing]
         caps, reasons = self.caps, []
-        if inp.kind not in caps.kinds:
+        if inp.kind not in caps.kinds:  # checked first: a NumPy call never imports torch
             reasons.append(f"takes {' or '.join(caps.kinds)} arrays, got {inp.kind}")
+        elif self.missing():
+            return [self.missing()]
         device_type = inp.device.split(":")[0]
         if caps.devices and device_type not in caps.devices:
             reasons.append(f"runs on {'/'.join(caps.devices)}, inputs are on {inp.device}")

@@ -1,0 +1,167 @@
+// Python binding of the native kernel (nanobind). Takes NumPy arrays and torch CPU tensors
+// alike (DLPack), any strides for q, k, v, dout; picks the instruction set at run time.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <stdexcept>
+#include <string>
+
+#include "problem.h"
+
+namespace nb = nanobind;
+using namespace qkv;
+
+using Any = nb::ndarray<nb::device::cpu>;
+template <class T>
+using Flat = nb::ndarray<T, nb::c_contig, nb::device::cpu>;
+
+namespace {
+
+enum class Isa { Generic, Avx2, Avx512 };
+
+Isa detect_isa() {
+  Isa best = Isa::Generic;
+#if defined(QKV_X86)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = Isa::Avx2;
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+    best = Isa::Avx512;
+#endif
+  // QKV_ISA=generic|avx2 forces a lower path (tests); never a higher one than the CPU has.
+  if (const char* force = std::getenv("QKV_ISA")) {
+    if (!std::strcmp(force, "generic")) best = Isa::Generic;
+    else if (!std::strcmp(force, "avx2") && best == Isa::Avx512) best = Isa::Avx2;
+  }
+  return best;
+}
+
+Isa isa() {
+  static const Isa chosen = detect_isa();
+  return chosen;
+}
+
+const char* isa_name() {
+  switch (isa()) {
+    case Isa::Avx512: return "avx512";
+    case Isa::Avx2: return "avx2";
+    default: return "generic";
+  }
+}
+
+DType dtype_of(const Any& a, const char* name) {
+  if (a.dtype() == nb::dtype<float>()) return F32;
+  if (a.dtype().code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat) && a.dtype().bits == 16) return BF16;
+  throw std::invalid_argument(std::string(name) + ": the native kernel takes float32 or bfloat16");
+}
+
+Strided4 strided(const Any& a, const char* name) {
+  if (a.ndim() != 4) throw std::invalid_argument(std::string(name) + " must be 4-D (B, H, L, D)");
+  return {a.data(), a.stride(0), a.stride(1), a.stride(2), a.stride(3)};
+}
+
+struct Extras {  // everything optional about a call: mask data and score modifiers
+  std::optional<Flat<int8_t>> tile_class;
+  std::optional<Flat<int32_t>> lo, hi;
+  std::optional<Flat<int32_t>> bitmap_index;
+  std::optional<Flat<uint8_t>> bitmaps;
+  std::optional<Flat<float>> alibi;
+  float softcap;
+  std::optional<Any> bias;
+};
+
+Problem make_problem(const Any& q, const Any& k, const Any& v, float scale, int block_q, int block_k, int threads,
+                     const Extras& x) {
+  Problem p{};
+  p.dtype = dtype_of(q, "q");
+  if (dtype_of(k, "k") != p.dtype || dtype_of(v, "v") != p.dtype) throw std::invalid_argument("q, k, v dtypes differ");
+  p.q = strided(q, "q"), p.k = strided(k, "k"), p.v = strided(v, "v");
+  p.B = int(q.shape(0)), p.Hq = int(q.shape(1)), p.Lq = int(q.shape(2)), p.D = int(q.shape(3));
+  p.Hkv = int(k.shape(1)), p.Lk = int(k.shape(2)), p.Dv = int(v.shape(3));
+  p.scale = scale, p.block_q = block_q, p.block_k = block_k, p.num_threads = threads;
+  if (x.tile_class) p.mask.tile_class = x.tile_class->data();
+  if (x.lo && x.hi) {
+    p.mask.lo = x.lo->data(), p.mask.hi = x.hi->data();
+    p.mask.lohi_bstride = x.lo->shape(0) > 1 ? p.Lq : 0;
+  }
+  if (x.bitmap_index && x.bitmaps) p.mask.bitmap_index = x.bitmap_index->data(), p.mask.bitmaps = x.bitmaps->data();
+  if (x.alibi) p.mods.alibi_slopes = x.alibi->data();
+  p.mods.softcap = x.softcap;
+  if (x.bias) {
+    if (x.bias->dtype() != nb::dtype<float>() || x.bias->ndim() != 4) throw std::invalid_argument("bias: float32 4-D");
+    p.mods.bias = static_cast<const float*>(x.bias->data());
+    p.mods.bias_s0 = x.bias->shape(0) > 1 ? x.bias->stride(0) : 0;
+    p.mods.bias_s1 = x.bias->shape(1) > 1 ? x.bias->stride(1) : 0;
+    p.mods.bias_s2 = x.bias->shape(2) > 1 ? x.bias->stride(2) : 0;
+    p.mods.bias_s3 = x.bias->shape(3) > 1 ? x.bias->stride(3) : 0;
+  }
+  return p;
+}
+
+void run_forward(const Forward& f) {
+  switch (isa()) {
+#if defined(QKV_X86)
+    case Isa::Avx512: isa_avx512::forward(f); break;
+    case Isa::Avx2: isa_avx2::forward(f); break;
+#endif
+    default: isa_generic::forward(f); break;
+  }
+}
+
+void run_backward(const Backward& b) {
+  switch (isa()) {
+#if defined(QKV_X86)
+    case Isa::Avx512: isa_avx512::backward(b); break;
+    case Isa::Avx2: isa_avx2::backward(b); break;
+#endif
+    default: isa_generic::backward(b); break;
+  }
+}
+
+}  // namespace
+
+NB_MODULE(_native, m) {
+  m.doc() = "qkv's native CPU attention kernel";
+  m.def("isa", &isa_name, "The instruction set the kernel runs with here.");
+  m.def(
+      "forward",
+      [](Any q, Any k, Any v, Any out, Flat<float> lse, float scale, int block_q, int block_k, int threads,
+         std::optional<Flat<int8_t>> tile_class, std::optional<Flat<int32_t>> lo, std::optional<Flat<int32_t>> hi,
+         std::optional<Flat<int32_t>> bitmap_index, std::optional<Flat<uint8_t>> bitmaps,
+         std::optional<Flat<float>> alibi, float softcap, std::optional<Any> bias,
+         std::optional<Flat<int64_t>> tile_counts) {
+        Extras x{tile_class, lo, hi, bitmap_index, bitmaps, alibi, softcap, bias};
+        Forward f{make_problem(q, k, v, scale, block_q, block_k, threads, x), out.data(), lse.data(),
+                  tile_counts ? tile_counts->data() : nullptr};
+        nb::gil_scoped_release unlocked;
+        run_forward(f);
+      },
+      nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::arg("scale"),
+      nb::arg("block_q"), nb::arg("block_k"), nb::arg("threads"), nb::arg("tile_class").none(),
+      nb::arg("lo").none(), nb::arg("hi").none(), nb::arg("bitmap_index").none(), nb::arg("bitmaps").none(),
+      nb::arg("alibi").none(), nb::arg("softcap"), nb::arg("bias").none(), nb::arg("tile_counts").none() = nb::none(),
+      "out (B, Hq, Lq, Dv) and lse (B, Hq, Lq) float32 must be contiguous and are written in place.");
+  m.def(
+      "backward",
+      [](Any q, Any k, Any v, Any dout, Flat<float> lse, Flat<float> delta, Any dq, Any dk, Any dv, float scale,
+         int block_q, int block_k, int threads, std::optional<Flat<int8_t>> tile_class,
+         std::optional<Flat<int32_t>> lo, std::optional<Flat<int32_t>> hi, std::optional<Flat<int32_t>> bitmap_index,
+         std::optional<Flat<uint8_t>> bitmaps, std::optional<Flat<float>> alibi, float softcap,
+         std::optional<Any> bias) {
+        Extras x{tile_class, lo, hi, bitmap_index, bitmaps, alibi, softcap, bias};
+        Backward b{make_problem(q, k, v, scale, block_q, block_k, threads, x), strided(dout, "dout"), lse.data(),
+                   delta.data(), dq.data(), dk.data(), dv.data()};
+        nb::gil_scoped_release unlocked;
+        run_backward(b);
+      },
+      nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("dout"), nb::arg("lse"), nb::arg("delta"), nb::arg("dq"),
+      nb::arg("dk"), nb::arg("dv"), nb::arg("scale"), nb::arg("block_q"), nb::arg("block_k"), nb::arg("threads"),
+      nb::arg("tile_class").none(), nb::arg("lo").none(), nb::arg("hi").none(), nb::arg("bitmap_index").none(),
+      nb::arg("bitmaps").none(), nb::arg("alibi").none(), nb::arg("softcap"), nb::arg("bias").none(),
+      "dq, dk, dv must be contiguous in q's dtype and are written in place; delta = rowsum(dO*O) - dlse.");
+}

@@ -1,0 +1,487 @@
+// The attention kernel (FlashAttention-2 style), written once over the vector type of vec.h
+// and compiled once per instruction set. Everything here lives in the namespace the
+// including file names (QKV_ISA_NS) and uses no inline C++ library templates, so the
+// variants never share a symbol: an older CPU never runs code built for a newer one.
+//
+// Forward, per work item (row r, query tile t, key split s):
+//   Q tile (n = G*bq rows, scale folded in) against each non-EMPTY key tile:
+//   S = Q·Kᵀ -> modifiers -> mask (PARTIAL tiles only) -> online softmax (m, l) -> acc += P·V.
+// Backward recomputes P = exp(S - lse) tile by tile: one pass per query tile for dQ and
+// one per key tile for dK and dV, so no two threads ever add into the same memory.
+#pragma once
+#include <math.h>
+#include <stdlib.h>
+
+#include "problem.h"
+#include "vec.h"
+
+namespace QKV_ISA_NS {
+namespace {
+
+using qkv::Backward;
+using qkv::Forward;
+using qkv::Problem;
+using qkv::Strided4;
+
+constexpr float NEG_INF = -INFINITY;
+constexpr int W = Vec::W;
+
+inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
+inline int imin(int a, int b) { return a < b ? a : b; }
+inline int cdiv(int a, int b) { return (a + b - 1) / b; }
+
+// ---- buffers ---------------------------------------------------------------------------
+struct Buffer {  // 64-byte aligned float scratch, freed at scope exit
+  float* p;
+  explicit Buffer(int64_t n) : p(static_cast<float*>(aligned_alloc(64, (n * 4 + 63) / 64 * 64 + 64))) {}
+  ~Buffer() { free(p); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+};
+
+inline void fill(float* p, int64_t n, float x) {
+  for (int64_t i = 0; i < n; ++i) p[i] = x;
+}
+
+// ---- reading inputs ----------------------------------------------------------------------
+inline float element(const Strided4& t, qkv::DType dt, int64_t off) {
+  return dt == qkv::F32 ? static_cast<const float*>(t.data)[off]
+                        : bf16_to_f32(static_cast<const uint16_t*>(t.data)[off]);
+}
+
+// dst[0:n] = scale * t[b, h, l, 0:n]; dst[n:padded] = 0
+inline void load_vector(const Strided4& t, qkv::DType dt, int b, int h, int l, int n, int padded, float scale,
+                        float* dst) {
+  int64_t base = b * t.s0 + h * t.s1 + l * t.s2;
+  if (dt == qkv::F32 && t.s3 == 1) {
+    const float* src = static_cast<const float*>(t.data) + base;
+    for (int d = 0; d < n; ++d) dst[d] = src[d] * scale;
+  } else {
+    for (int d = 0; d < n; ++d) dst[d] = element(t, dt, base + d * t.s3) * scale;
+  }
+  for (int d = n; d < padded; ++d) dst[d] = 0.f;
+}
+
+// Rows [l0, l0 + count) of t[b, h] as a row-major (rows x ld) block, zero beyond `count` rows up to `rows`.
+inline void load_rows(const Strided4& t, qkv::DType dt, int b, int h, int l0, int count, int rows, int n, int ld,
+                      float scale, float* dst) {
+  for (int i = 0; i < count; ++i) load_vector(t, dt, b, h, l0 + i, n, ld, scale, dst + int64_t(i) * ld);
+  fill(dst + int64_t(count) * ld, int64_t(rows - count) * ld, 0.f);
+}
+
+// The transpose of rows [l0, l0 + count) of t[b, h]: (n x ld), dst[d*ld + c] = t[b, h, l0 + c, d].
+inline void load_transposed(const Strided4& t, qkv::DType dt, int b, int h, int l0, int count, int n, int ld,
+                            float* dst) {
+  fill(dst, int64_t(n) * ld, 0.f);
+  for (int c = 0; c < count; ++c) {
+    int64_t base = b * t.s0 + h * t.s1 + int64_t(l0 + c) * t.s2;
+    for (int d = 0; d < n; ++d) dst[int64_t(d) * ld + c] = element(t, dt, base + d * t.s3);
+  }
+}
+
+// ---- the one matrix-multiply shape: C (M x N) (+)= A (M x K, row-major, lda) · B (K x N, ldb) ----
+// N is a multiple of W (B and C are padded); MR rows x NV vectors of C stay in registers.
+template <int MR, int NV>
+inline void micro(int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc, bool add) {
+  Vec c[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) c[r][v] = add ? Vec::load(C + r * ldc + v * W) : Vec::zero();
+  for (int k = 0; k < K; ++k) {
+    Vec b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = Vec::load(B + int64_t(k) * ldb + v * W);
+    for (int r = 0; r < MR; ++r) {
+      Vec a = Vec::set1(A[r * lda + k]);
+      for (int v = 0; v < NV; ++v) c[r][v] = Vec::fma(a, b[v], c[r][v]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) c[r][v].store(C + r * ldc + v * W);
+}
+
+template <int NV>
+inline void gemm_columns(int M, int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc,
+                         bool add) {
+  constexpr int MR = NV >= 4 ? 6 : 8;
+  int i = 0;
+  for (; i + MR <= M; i += MR) micro<MR, NV>(K, A + int64_t(i) * lda, lda, B, ldb, C + int64_t(i) * ldc, ldc, add);
+  for (; i < M; ++i) micro<1, NV>(K, A + int64_t(i) * lda, lda, B, ldb, C + int64_t(i) * ldc, ldc, add);
+}
+
+inline void gemm(int M, int N, int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc,
+                 bool add) {
+  for (int j = 0; j < N;) {
+    int vectors = (N - j) / W;
+    int nv = vectors >= 4 ? 4 : vectors;
+    switch (nv) {
+      case 4: gemm_columns<4>(M, K, A, lda, B + j, ldb, C + j, ldc, add); break;
+      case 3: gemm_columns<3>(M, K, A, lda, B + j, ldb, C + j, ldc, add); break;
+      case 2: gemm_columns<2>(M, K, A, lda, B + j, ldb, C + j, ldc, add); break;
+      default: gemm_columns<1>(M, K, A, lda, B + j, ldb, C + j, ldc, add); break;
+    }
+    j += nv * W;
+  }
+}
+
+// ---- a tile's rule: modifiers and mask, applied to scores S (n x ld) -----------------------
+struct Tile {
+  const Problem& p;
+  int b, kv, r, t, j;   // batch row, kv head, row, query tile, key tile
+  int q0, rows, k0, cols;  // query rows per head in this tile, keys in this tile
+  int n() const { return p.Hq / p.Hkv * rows; }
+  int head(int rr) const { return kv * (p.Hq / p.Hkv) + rr / rows; }
+  int query(int rr) const { return q0 + rr % rows; }
+};
+
+inline int8_t tile_class(const Problem& p, int r, int t, int j) {
+  if (!p.mask.tile_class) return qkv::FULL;
+  int nq = cdiv(p.Lq, p.block_q), nk = cdiv(p.Lk, p.block_k);
+  return p.mask.tile_class[(int64_t(r) * nq + t) * nk + j];
+}
+
+// Modifiers, then -inf where the mask forbids (PARTIAL tiles) and in padding columns.
+inline void apply_rule(const Tile& tl, float* S, int ld) {
+  const Problem& p = tl.p;
+  const auto& mods = p.mods;
+  const int n = tl.n(), shift = p.Lk - p.Lq;
+  const bool partial = tile_class(p, tl.r, tl.t, tl.j) == qkv::PARTIAL;
+  const uint8_t* bitmap = nullptr;
+  if (partial && p.mask.bitmaps) {
+    int nq = cdiv(p.Lq, p.block_q), nk = cdiv(p.Lk, p.block_k);
+    int32_t index = p.mask.bitmap_index[(int64_t(tl.r) * nq + tl.t) * nk + tl.j];
+    bitmap = p.mask.bitmaps + int64_t(index) * (p.Hq / p.Hkv) * p.block_q * p.block_k;
+  }
+  for (int rr = 0; rr < n; ++rr) {
+    float* s = S + int64_t(rr) * ld;
+    const int h = tl.head(rr), i = tl.query(rr);
+    if (mods.alibi_slopes) {
+      float slope = mods.alibi_slopes[h];
+      for (int c = 0; c < tl.cols; ++c) s[c] -= slope * fabsf(float(i + shift - (tl.k0 + c)));
+    }
+    if (mods.bias) {
+      const float* row = mods.bias + tl.b * mods.bias_s0 + h * mods.bias_s1 + i * mods.bias_s2;
+      for (int c = 0; c < tl.cols; ++c) s[c] += row[(tl.k0 + c) * mods.bias_s3];
+    }
+    if (mods.softcap > 0) {
+      float cap = mods.softcap, inv = 1.f / cap;
+      for (int c = 0; c < tl.cols; ++c) s[c] = cap * tanhf(s[c] * inv);
+    }
+    if (partial && p.mask.lo) {
+      int64_t at = tl.b * p.mask.lohi_bstride + i;
+      int lo = p.mask.lo[at] - tl.k0, hi = p.mask.hi[at] - tl.k0;
+      for (int c = 0; c < tl.cols; ++c)
+        if (c < lo || c > hi) s[c] = NEG_INF;
+    } else if (bitmap) {
+      const uint8_t* allowed = bitmap + (int64_t(rr / tl.rows) * p.block_q + rr % tl.rows) * p.block_k;
+      for (int c = 0; c < tl.cols; ++c)
+        if (!allowed[c]) s[c] = NEG_INF;
+    }
+    for (int c = tl.cols; c < ld; ++c) s[c] = NEG_INF;
+  }
+}
+
+// ---- forward -------------------------------------------------------------------------------
+struct ForwardPlan {
+  const Forward& f;
+  int G, nq, nk, splits, tiles_per_split, Dp, Dvp, bkp;
+  float* partial;  // splits > 1: per (row, q tile, split): m, l (n each) and acc (n x Dvp)
+  int64_t partial_stride;
+};
+
+// Online softmax over one tile: S (n x bkp) becomes P, m/l/acc are updated.
+inline void online_softmax(int n, int bkp, int Dvp, float* S, float* m, float* l, float* acc) {
+  for (int rr = 0; rr < n; ++rr) {
+    float* s = S + int64_t(rr) * bkp;
+    Vec mx = Vec::set1(NEG_INF);
+    for (int c = 0; c < bkp; c += W) mx = Vec::max(mx, Vec::load(s + c));
+    float m_new = mx.reduce_max();
+    if (m[rr] > m_new) m_new = m[rr];
+    if (m_new == NEG_INF) {  // nothing allowed yet: contributes nothing
+      fill(s, bkp, 0.f);
+      continue;
+    }
+    float alpha = expf(m[rr] - m_new);  // rescales what was summed under the old max
+    Vec shift = Vec::set1(m_new), sum = Vec::zero();
+    for (int c = 0; c < bkp; c += W) {
+      Vec e = Vec::exp(Vec::load(s + c) - shift);
+      e.store(s + c);
+      sum = sum + e;
+    }
+    l[rr] = l[rr] * alpha + sum.reduce_add();
+    m[rr] = m_new;
+    if (alpha != 1.f) {
+      float* a = acc + int64_t(rr) * Dvp;
+      Vec va = Vec::set1(alpha);
+      for (int c = 0; c < Dvp; c += W) (Vec::load(a + c) * va).store(a + c);
+    }
+  }
+}
+
+inline void store_output(const Forward& f, const Tile& tl, int Dvp, const float* m, const float* l,
+                         const float* acc) {
+  const Problem& p = f.p;
+  for (int rr = 0; rr < tl.n(); ++rr) {
+    const int h = tl.head(rr), i = tl.query(rr);
+    const int64_t at = (int64_t(tl.b) * p.Hq + h) * p.Lq + i;
+    const bool none = l[rr] == 0.f;  // no allowed key: output 0, lse -inf (NaN stays NaN)
+    const float inv = none ? 0.f : 1.f / l[rr];
+    f.lse[at] = none ? NEG_INF : m[rr] + logf(l[rr]);
+    const float* a = acc + int64_t(rr) * Dvp;
+    if (p.dtype == qkv::F32) {
+      float* o = static_cast<float*>(f.out) + at * p.Dv;
+      for (int d = 0; d < p.Dv; ++d) o[d] = none ? 0.f : a[d] * inv;
+    } else {
+      uint16_t* o = static_cast<uint16_t*>(f.out) + at * p.Dv;
+      for (int d = 0; d < p.Dv; ++d) o[d] = f32_to_bf16(none ? 0.f : a[d] * inv);
+    }
+  }
+}
+
+inline Tile make_tile(const Problem& p, int r, int t, int j) {
+  Tile tl{p, r / p.Hkv, r % p.Hkv, r, t, j, 0, 0, 0, 0};
+  tl.q0 = t * p.block_q;
+  tl.rows = imin(p.block_q, p.Lq - tl.q0);
+  tl.k0 = j * p.block_k;
+  tl.cols = j < cdiv(p.Lk, p.block_k) ? imin(p.block_k, p.Lk - tl.k0) : 0;
+  return tl;
+}
+
+void forward_item(void* ctx, int64_t item) {
+  const ForwardPlan& plan = *static_cast<const ForwardPlan*>(ctx);
+  const Problem& p = plan.f.p;
+  const int split = int(item % plan.splits), rt = int(item / plan.splits);
+  const int r = rt / plan.nq, t = rt % plan.nq;
+  Tile tl = make_tile(p, r, t, 0);
+  const int n = tl.n(), Dp = plan.Dp, Dvp = plan.Dvp, bkp = plan.bkp;
+  Buffer Q(int64_t(n) * Dp), Kt(int64_t(Dp) * bkp), V(int64_t(bkp) * Dvp), S(int64_t(n) * bkp);
+  Buffer own(plan.splits > 1 ? 0 : int64_t(n) * (2 + Dvp));
+  float* m = plan.splits > 1 ? plan.partial + item * plan.partial_stride : own.p;
+  float *l = m + n, *acc = l + n;
+  for (int g = 0; g < plan.G; ++g)
+    load_rows(p.q, p.dtype, tl.b, tl.kv * plan.G + g, tl.q0, tl.rows, tl.rows, p.D, Dp, p.scale,
+              Q.p + int64_t(g) * tl.rows * Dp);
+  fill(m, n, NEG_INF), fill(l, n, 0.f), fill(acc, int64_t(n) * Dvp, 0.f);
+  const int j_end = imin(plan.nk, (split + 1) * plan.tiles_per_split);
+  int64_t computed = 0, masked = 0;
+  for (int j = split * plan.tiles_per_split; j < j_end; ++j) {
+    const int8_t cls = tile_class(p, r, t, j);
+    if (cls == qkv::EMPTY) continue;
+    computed += 1, masked += cls == qkv::PARTIAL;
+    Tile tj = make_tile(p, r, t, j);
+    load_transposed(p.k, p.dtype, tl.b, tl.kv, tj.k0, tj.cols, p.D, bkp, Kt.p);
+    load_rows(p.v, p.dtype, tl.b, tl.kv, tj.k0, tj.cols, tj.cols, p.Dv, Dvp, 1.f, V.p);
+    gemm(n, bkp, p.D, Q.p, Dp, Kt.p, bkp, S.p, bkp, false);  // S = Q·Kᵀ (n x bk)
+    apply_rule(tj, S.p, bkp);
+    online_softmax(n, bkp, Dvp, S.p, m, l, acc);
+    gemm(n, Dvp, tj.cols, S.p, bkp, V.p, Dvp, acc, Dvp, true);  // acc += P·V (n x Dv)
+  }
+  if (plan.splits == 1) store_output(plan.f, tl, Dvp, m, l, acc);
+  if (plan.f.tile_counts) {  // a builtin, not std::atomic: no shared inline templates here
+    __atomic_fetch_add(&plan.f.tile_counts[0], computed, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&plan.f.tile_counts[1], masked, __ATOMIC_RELAXED);
+  }
+}
+
+// Merge the key splits of one (row, query tile) by their maxima and sums.
+void merge_item(void* ctx, int64_t rt) {
+  const ForwardPlan& plan = *static_cast<const ForwardPlan*>(ctx);
+  const Problem& p = plan.f.p;
+  Tile tl = make_tile(p, int(rt / plan.nq), int(rt % plan.nq), 0);
+  const int n = tl.n(), Dvp = plan.Dvp;
+  Buffer merged(int64_t(n) * (2 + Dvp));
+  float *m = merged.p, *l = m + n, *acc = l + n;
+  fill(m, n, NEG_INF), fill(l, n, 0.f), fill(acc, int64_t(n) * Dvp, 0.f);
+  for (int s = 0; s < plan.splits; ++s) {
+    const float* part = plan.partial + (rt * plan.splits + s) * plan.partial_stride;
+    for (int rr = 0; rr < n; ++rr) {
+      float ms = part[rr], ls = part[n + rr];
+      if (ls == 0.f) continue;
+      float m_new = ms > m[rr] ? ms : m[rr];
+      float a_old = expf(m[rr] - m_new), a_new = expf(ms - m_new);
+      l[rr] = l[rr] * a_old + ls * a_new;
+      const float* as = part + 2 * n + int64_t(rr) * Dvp;
+      float* a = acc + int64_t(rr) * Dvp;
+      for (int d = 0; d < Dvp; ++d) a[d] = a[d] * a_old + as[d] * a_new;
+      m[rr] = m_new;
+    }
+  }
+  store_output(plan.f, tl, Dvp, m, l, acc);
+}
+
+}  // namespace
+
+void forward(const Forward& f) {
+  const Problem& p = f.p;
+  if (p.B == 0 || p.Hkv == 0 || p.Lq == 0) return;  // nothing to write
+  ForwardPlan plan{f, p.Hq / p.Hkv, cdiv(p.Lq, p.block_q), cdiv(p.Lk, p.block_k), 1, 0,
+                   round_up(p.D, W), round_up(p.Dv, W), round_up(p.block_k, W), nullptr, 0};
+  plan.tiles_per_split = plan.nk;
+  const int64_t items = int64_t(p.B) * p.Hkv * plan.nq;
+  // Few (row, query tile) items and many keys (decoding): split the keys too, so every
+  // thread has work. The split depends on the shape only, so results never depend on threads.
+  if (items < 16 && plan.nk >= 8) {
+    plan.splits = imin(16, imin(int(32 / items + 1), plan.nk / 4));
+    plan.tiles_per_split = cdiv(plan.nk, plan.splits);
+    plan.splits = cdiv(plan.nk, plan.tiles_per_split);
+  }
+  if (plan.splits == 1) {
+    qkv::parallel_for(items, p.num_threads, forward_item, &plan);
+    return;
+  }
+  const int n = plan.G * p.block_q;
+  plan.partial_stride = int64_t(n) * (2 + plan.Dvp);
+  Buffer partial(items * plan.splits * plan.partial_stride);
+  plan.partial = partial.p;
+  qkv::parallel_for(items * plan.splits, p.num_threads, forward_item, &plan);
+  qkv::parallel_for(items, p.num_threads, merge_item, &plan);
+}
+
+// ---- backward ------------------------------------------------------------------------------
+namespace {
+
+struct BackwardPlan {
+  const Backward& bw;
+  int G, nq, nk, Dp, Dvp, bkp;
+};
+
+// Per query tile: Q (scaled), dO, lse and delta of its n stacked rows.
+struct QueryTile {
+  Buffer Q, dO, lse, delta;
+  QueryTile(const BackwardPlan& plan, const Tile& tl)
+      : Q(int64_t(tl.n()) * plan.Dp), dO(int64_t(tl.n()) * plan.Dvp), lse(tl.n()), delta(tl.n()) {
+    const Problem& p = plan.bw.p;
+    for (int g = 0; g < plan.G; ++g) {
+      const int h = tl.kv * plan.G + g;
+      load_rows(p.q, p.dtype, tl.b, h, tl.q0, tl.rows, tl.rows, p.D, plan.Dp, p.scale, Q.p + int64_t(g) * tl.rows * plan.Dp);
+      load_rows(plan.bw.dout, p.dtype, tl.b, h, tl.q0, tl.rows, tl.rows, p.Dv, plan.Dvp, 1.f,
+                dO.p + int64_t(g) * tl.rows * plan.Dvp);
+      for (int i = 0; i < tl.rows; ++i) {
+        int64_t at = (int64_t(tl.b) * p.Hq + h) * p.Lq + tl.q0 + i;
+        float row_lse = plan.bw.lse[at];
+        lse.p[g * tl.rows + i] = row_lse == NEG_INF ? INFINITY : row_lse;  // empty rows: P = 0
+        delta.p[g * tl.rows + i] = plan.bw.delta[at];
+      }
+    }
+  }
+};
+
+// P = exp(S - lse) in S; dS = P ∘ (dP - delta) ∘ d(modifier) in dP. Kt/Vt are the tile's Kᵀ, Vᵀ.
+inline void probabilities_and_score_grads(const BackwardPlan& plan, const Tile& tj, const QueryTile& qt,
+                                          const float* Kt, const float* Vt, float* S, float* dP) {
+  const Problem& p = plan.bw.p;
+  const int n = tj.n(), bkp = plan.bkp;
+  gemm(n, bkp, p.D, qt.Q.p, plan.Dp, Kt, bkp, S, bkp, false);      // S = Q·Kᵀ
+  apply_rule(tj, S, bkp);
+  gemm(n, bkp, p.Dv, qt.dO.p, plan.Dvp, Vt, bkp, dP, bkp, false);  // dP = dO·Vᵀ
+  const float cap = p.mods.softcap;
+  for (int rr = 0; rr < n; ++rr) {
+    float* s = S + int64_t(rr) * bkp;
+    float* dp = dP + int64_t(rr) * bkp;
+    const float row_lse = qt.lse.p[rr], row_delta = qt.delta.p[rr];
+    if (cap > 0) {  // softcap: d(cap·tanh(x/cap))/dx = 1 - (modified / cap)²
+      for (int c = 0; c < bkp; ++c) {
+        float u = s[c] / cap, prob = c < tj.cols ? expf(s[c] - row_lse) : 0.f;
+        s[c] = prob;
+        dp[c] = prob == 0.f ? 0.f : prob * (dp[c] - row_delta) * (1.f - u * u);
+      }
+      continue;
+    }
+    Vec lse = Vec::set1(row_lse), delta = Vec::set1(row_delta);
+    for (int c = 0; c < bkp; c += W) {
+      Vec prob = Vec::exp(Vec::load(s + c) - lse);
+      prob.store(s + c);
+      (prob * (Vec::load(dp + c) - delta)).store(dp + c);
+    }
+  }
+}
+
+void dq_item(void* ctx, int64_t rt) {
+  const BackwardPlan& plan = *static_cast<const BackwardPlan*>(ctx);
+  const Problem& p = plan.bw.p;
+  const int r = int(rt / plan.nq), t = int(rt % plan.nq);
+  Tile tl = make_tile(p, r, t, 0);
+  const int n = tl.n(), bkp = plan.bkp;
+  QueryTile qt(plan, tl);
+  Buffer Kt(int64_t(plan.Dp) * bkp), Vt(int64_t(plan.Dvp) * bkp), K(int64_t(bkp) * plan.Dp);
+  Buffer S(int64_t(n) * bkp), dP(int64_t(n) * bkp), dQ(int64_t(n) * plan.Dp);
+  fill(dQ.p, int64_t(n) * plan.Dp, 0.f);
+  for (int j = 0; j < plan.nk; ++j) {
+    if (tile_class(p, r, t, j) == qkv::EMPTY) continue;
+    Tile tj = make_tile(p, r, t, j);
+    load_transposed(p.k, p.dtype, tl.b, tl.kv, tj.k0, tj.cols, p.D, bkp, Kt.p);
+    load_transposed(p.v, p.dtype, tl.b, tl.kv, tj.k0, tj.cols, p.Dv, bkp, Vt.p);
+    load_rows(p.k, p.dtype, tl.b, tl.kv, tj.k0, tj.cols, bkp, p.D, plan.Dp, 1.f, K.p);
+    probabilities_and_score_grads(plan, tj, qt, Kt.p, Vt.p, S.p, dP.p);
+    gemm(n, plan.Dp, tj.cols, dP.p, bkp, K.p, plan.Dp, dQ.p, plan.Dp, true);  // dQ += dS·K
+  }
+  for (int rr = 0; rr < n; ++rr) {
+    const int64_t at = (int64_t(tl.b) * p.Hq + tl.head(rr)) * p.Lq + tl.query(rr);
+    const float* src = dQ.p + int64_t(rr) * plan.Dp;
+    if (p.dtype == qkv::F32) {
+      float* dst = static_cast<float*>(plan.bw.dq) + at * p.D;
+      for (int d = 0; d < p.D; ++d) dst[d] = src[d] * p.scale;
+    } else {
+      uint16_t* dst = static_cast<uint16_t*>(plan.bw.dq) + at * p.D;
+      for (int d = 0; d < p.D; ++d) dst[d] = f32_to_bf16(src[d] * p.scale);
+    }
+  }
+}
+
+inline void transpose(int rows, int cols, const float* src, int ld_src, float* dst, int ld_dst) {
+  for (int i = 0; i < rows; ++i)
+    for (int c = 0; c < cols; ++c) dst[int64_t(c) * ld_dst + i] = src[int64_t(i) * ld_src + c];
+}
+
+inline void store_rows(const Problem& p, void* base, int64_t first_row, int count, int n, const float* src, int ld) {
+  for (int c = 0; c < count; ++c) {
+    const float* s = src + int64_t(c) * ld;
+    if (p.dtype == qkv::F32) {
+      float* d = static_cast<float*>(base) + (first_row + c) * n;
+      for (int e = 0; e < n; ++e) d[e] = s[e];
+    } else {
+      uint16_t* d = static_cast<uint16_t*>(base) + (first_row + c) * n;
+      for (int e = 0; e < n; ++e) d[e] = f32_to_bf16(s[e]);
+    }
+  }
+}
+
+void dkdv_item(void* ctx, int64_t rj) {
+  const BackwardPlan& plan = *static_cast<const BackwardPlan*>(ctx);
+  const Problem& p = plan.bw.p;
+  const int r = int(rj / plan.nk), j = int(rj % plan.nk);
+  Tile tk = make_tile(p, r, 0, j);
+  const int bkp = plan.bkp, n_max = plan.G * p.block_q;
+  Buffer Kt(int64_t(plan.Dp) * bkp), Vt(int64_t(plan.Dvp) * bkp);
+  Buffer S(int64_t(n_max) * bkp), dP(int64_t(n_max) * bkp), T(int64_t(bkp) * n_max);
+  Buffer dK(int64_t(bkp) * plan.Dp), dV(int64_t(bkp) * plan.Dvp);
+  load_transposed(p.k, p.dtype, tk.b, tk.kv, tk.k0, tk.cols, p.D, bkp, Kt.p);
+  load_transposed(p.v, p.dtype, tk.b, tk.kv, tk.k0, tk.cols, p.Dv, bkp, Vt.p);
+  fill(dK.p, int64_t(bkp) * plan.Dp, 0.f), fill(dV.p, int64_t(bkp) * plan.Dvp, 0.f);
+  for (int t = 0; t < plan.nq; ++t) {
+    if (tile_class(p, r, t, j) == qkv::EMPTY) continue;
+    Tile tj = make_tile(p, r, t, j);
+    const int n = tj.n();
+    QueryTile qt(plan, tj);
+    probabilities_and_score_grads(plan, tj, qt, Kt.p, Vt.p, S.p, dP.p);
+    transpose(n, tj.cols, S.p, bkp, T.p, n);
+    gemm(tj.cols, plan.Dvp, n, T.p, n, qt.dO.p, plan.Dvp, dV.p, plan.Dvp, true);  // dV += Pᵀ·dO
+    transpose(n, tj.cols, dP.p, bkp, T.p, n);
+    gemm(tj.cols, plan.Dp, n, T.p, n, qt.Q.p, plan.Dp, dK.p, plan.Dp, true);  // dK += dSᵀ·(scale·Q)
+  }
+  const int64_t first = (int64_t(tk.b) * p.Hkv + tk.kv) * p.Lk + tk.k0;
+  store_rows(p, plan.bw.dk, first, tk.cols, p.D, dK.p, plan.Dp);
+  store_rows(p, plan.bw.dv, first, tk.cols, p.Dv, dV.p, plan.Dvp);
+}
+
+}  // namespace
+
+void backward(const Backward& bw) {
+  const Problem& p = bw.p;
+  if (p.B == 0 || p.Hkv == 0) return;  // no gradient elements
+  BackwardPlan plan{bw, p.Hq / p.Hkv, cdiv(p.Lq, p.block_q), cdiv(p.Lk, p.block_k),
+                    round_up(p.D, W), round_up(p.Dv, W), round_up(p.block_k, W)};
+  const int64_t rows = int64_t(p.B) * p.Hkv;
+  qkv::parallel_for(rows * plan.nq, p.num_threads, dq_item, &plan);
+  qkv::parallel_for(rows * plan.nk, p.num_threads, dkdv_item, &plan);
+}
+
+}  // namespace QKV_ISA_NS

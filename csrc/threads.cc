@@ -1,0 +1,94 @@
+// A small persistent thread pool. Work items are claimed from an atomic counter, so each
+// item runs on exactly one thread and results never depend on the number of threads.
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "problem.h"
+
+namespace qkv {
+namespace {
+
+class Pool {
+ public:
+  void run(int64_t n, int threads, void (*fn)(void*, int64_t), void* ctx) {
+    std::lock_guard<std::mutex> one_job_at_a_time(job_mutex_);
+    int helpers = std::max(0, std::min<int>(threads, static_cast<int>(n)) - 1);
+    ensure_workers(helpers);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      fn_ = fn, ctx_ = ctx, n_ = n, next_.store(0), active_helpers_ = helpers, pending_ = helpers;
+      ++generation_;
+    }
+    wake_.notify_all();
+    drain();
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_.wait(lock, [&] { return pending_ == 0; });
+  }
+
+  ~Pool() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    for (auto& t : workers_) t.join();
+  }
+
+ private:
+  void drain() {
+    for (int64_t i; (i = next_.fetch_add(1)) < n_;) fn_(ctx_, i);
+  }
+
+  void ensure_workers(int count) {
+    while (static_cast<int>(workers_.size()) < count) {
+      int id = static_cast<int>(workers_.size());
+      workers_.emplace_back([this, id] { loop(id); });
+    }
+  }
+
+  void loop(int id) {
+    uint64_t seen = 0;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return stop_ || (generation_ != seen && id < active_helpers_); });
+        if (stop_) return;
+        seen = generation_;
+      }
+      drain();
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        --pending_;
+      }
+      done_.notify_all();
+    }
+  }
+
+  std::mutex job_mutex_, mutex_;
+  std::condition_variable wake_, done_;
+  std::vector<std::thread> workers_;
+  void (*fn_)(void*, int64_t) = nullptr;
+  void* ctx_ = nullptr;
+  int64_t n_ = 0;
+  std::atomic<int64_t> next_{0};
+  int active_helpers_ = 0, pending_ = 0;
+  uint64_t generation_ = 0;
+  bool stop_ = false;
+};
+
+}  // namespace
+
+void parallel_for(int64_t n, int threads, void (*fn)(void*, int64_t), void* ctx) {
+  if (n <= 0) return;
+  if (threads <= 1 || n == 1) {
+    for (int64_t i = 0; i < n; ++i) fn(ctx, i);
+    return;
+  }
+  static Pool* pool = new Pool();  // never destroyed: worker threads must not be joined at exit
+  pool->run(n, threads, fn, ctx);
+}
+
+}  // namespace qkv

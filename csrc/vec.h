@@ -1,0 +1,128 @@
+// Vector types for the kernel, one per instruction set. Each ISA translation unit defines
+// exactly one of QKV_AVX512 / QKV_AVX2 / (neither: portable) before including kernel.h.
+#pragma once
+#include <math.h>
+#include <cstdint>
+#include <cstring>
+
+#if defined(QKV_AVX512) || defined(QKV_AVX2)
+#include <immintrin.h>
+#endif
+
+namespace QKV_ISA_NS {
+
+#if defined(QKV_AVX512)
+struct Vec {
+  static constexpr int W = 16;
+  __m512 v;
+  static Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static Vec set1(float x) { return {_mm512_set1_ps(x)}; }
+  static Vec zero() { return {_mm512_setzero_ps()}; }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+  static Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+  friend Vec operator*(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
+  friend Vec operator-(Vec a, Vec b) { return {_mm512_sub_ps(a.v, b.v)}; }
+  friend Vec operator+(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
+  static Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
+  float reduce_max() const { return _mm512_reduce_max_ps(v); }
+  float reduce_add() const { return _mm512_reduce_add_ps(v); }
+  // exp(x) for x <= 0 (scores minus their row max); 0 below the float range, NaN stays NaN.
+  static Vec exp(Vec x) {
+    const __m512 log2e = _mm512_set1_ps(1.44269504f), ln2_hi = _mm512_set1_ps(0.693359375f),
+                 ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x.v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x.v);
+    r = _mm512_fnmadd_ps(n, ln2_lo, r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    __m512 y = _mm512_scalef_ps(p, n);
+    __mmask16 tiny = _mm512_cmp_ps_mask(x.v, _mm512_set1_ps(-87.3f), _CMP_LT_OQ);  // also -inf
+    return {_mm512_mask_blend_ps(tiny, y, _mm512_setzero_ps())};
+  }
+};
+#elif defined(QKV_AVX2)
+struct Vec {
+  static constexpr int W = 8;
+  __m256 v;
+  static Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static Vec set1(float x) { return {_mm256_set1_ps(x)}; }
+  static Vec zero() { return {_mm256_setzero_ps()}; }
+  void store(float* p) const { _mm256_storeu_ps(p, v); }
+  static Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+  friend Vec operator*(Vec a, Vec b) { return {_mm256_mul_ps(a.v, b.v)}; }
+  friend Vec operator-(Vec a, Vec b) { return {_mm256_sub_ps(a.v, b.v)}; }
+  friend Vec operator+(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
+  static Vec max(Vec a, Vec b) { return {_mm256_max_ps(a.v, b.v)}; }
+  float reduce_max() const {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+  }
+  float reduce_add() const {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+  }
+  static Vec exp(Vec x) {
+    const __m256 log2e = _mm256_set1_ps(1.44269504f), ln2_hi = _mm256_set1_ps(0.693359375f),
+                 ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
+    __m256 tiny = _mm256_cmp_ps(x.v, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
+    __m256 xc = _mm256_max_ps(x.v, _mm256_set1_ps(-87.3f));  // keeps 2^n in range; NaN passes through
+    xc = _mm256_blendv_ps(xc, x.v, _mm256_cmp_ps(x.v, x.v, _CMP_UNORD_Q));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, ln2_hi, xc);
+    r = _mm256_fnmadd_ps(n, ln2_lo, r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    return {_mm256_blendv_ps(y, _mm256_setzero_ps(), tiny)};
+  }
+};
+#else
+struct Vec {  // portable: plain loops the compiler may vectorise for the baseline ISA
+  static constexpr int W = 8;
+  float v[8];
+  static Vec load(const float* p) { Vec r; std::memcpy(r.v, p, sizeof r.v); return r; }
+  static Vec set1(float x) { Vec r; for (float& e : r.v) e = x; return r; }
+  static Vec zero() { return set1(0.f); }
+  void store(float* p) const { std::memcpy(p, v, sizeof v); }
+  static Vec fma(Vec a, Vec b, Vec c) { for (int i = 0; i < W; ++i) c.v[i] += a.v[i] * b.v[i]; return c; }
+  friend Vec operator*(Vec a, Vec b) { for (int i = 0; i < W; ++i) a.v[i] *= b.v[i]; return a; }
+  friend Vec operator-(Vec a, Vec b) { for (int i = 0; i < W; ++i) a.v[i] -= b.v[i]; return a; }
+  friend Vec operator+(Vec a, Vec b) { for (int i = 0; i < W; ++i) a.v[i] += b.v[i]; return a; }
+  static Vec max(Vec a, Vec b) { for (int i = 0; i < W; ++i) a.v[i] = b.v[i] > a.v[i] ? b.v[i] : a.v[i]; return a; }
+  float reduce_max() const { float m = v[0]; for (float e : v) m = e > m ? e : m; return m; }
+  float reduce_add() const { float s = 0; for (float e : v) s += e; return s; }
+  static Vec exp(Vec x) { for (float& e : x.v) e = expf(e); return x; }
+};
+#endif
+
+// bfloat16 <-> float32 (round to nearest even; NaN stays NaN).
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+}  // namespace QKV_ISA_NS

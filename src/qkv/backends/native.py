@@ -1,0 +1,197 @@
+"""The native backend: qkv's C++ CPU kernel (csrc/), bound with nanobind.
+
+FlashAttention-2 style forward and backward in float32 and bfloat16 (float32
+accumulation), on NumPy arrays and torch CPU tensors without copying them. This module
+turns a validated call into the kernel's plain inputs: tile classes, per-query key
+intervals for interval masks (causal, window, padding, prefix-LM and their
+intersections), bitmaps of the PARTIAL tiles for every other mask, and the score
+modifiers the kernel applies inline (ALiBi, a bias, softcap).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from .. import _arrays
+from ..masks import PARTIAL, Alibi, Bias, IntervalMask, Softcap, tile_indices
+from . import base
+from .base import Backend, Capabilities, row_tile_classes, tile_workspace
+
+try:
+    from .. import _native
+except ImportError as error:  # not built (no compiler) or not importable here
+    _native, _import_error = None, error
+else:
+    _import_error = None
+
+BLOCK_Q, BLOCK_K = 64, 128
+
+
+def default_threads() -> int:
+    env = os.environ.get("QKV_NUM_THREADS")
+    if env:
+        return max(1, int(env))
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+class NativeBackend(Backend):
+    name = "native"
+    caps = Capabilities(kinds=("numpy", "torch"), devices=("cpu",), dtypes=("float32", "bfloat16"),
+                        max_head_dim=256, gradients=True)
+
+    def __init__(self):
+        self.num_threads = default_threads()  # fixed work split: results do not depend on it
+
+    def missing(self):
+        if _native is None:
+            return f"the native kernel is not built or cannot load ({_import_error})"
+        return None
+
+    def extra_reasons(self, inp):
+        reasons = []
+        kinds = [type(m) for m in inp.score_mods]
+        if any(k not in (Alibi, Bias, Softcap) for k in kinds):
+            reasons.append("score_fn runs Python per tile; the native kernel takes alibi, softcap and biases")
+        elif len(set(kinds)) != len(kinds) or (Softcap in kinds and kinds.index(Softcap) != len(kinds) - 1):
+            reasons.append("the native kernel applies at most one alibi and one bias, then softcap last")
+        return reasons
+
+    def block_sizes(self, inp):
+        return BLOCK_Q, BLOCK_K
+
+    def forward(self, inp):
+        if inp.needs_grad:
+            return _autograd_function().apply(inp.q, inp.k, inp.v, inp, self)
+        return self.run_forward(inp, inp.q, inp.k, inp.v)
+
+    def run_forward(self, inp, q, k, v):
+        out, lse = _empty(q, (inp.B, inp.Hq, inp.Lq, inp.Dv)), _empty_f32(q, (inp.B, inp.Hq, inp.Lq))
+        counts = None if base.tile_counter is None else np.zeros(2, dtype=np.int64)
+        _native.forward(q, k, v, out, lse, inp.scale, BLOCK_Q, BLOCK_K, self.num_threads, **kernel_extras(inp),
+                        tile_counts=counts)
+        if counts is not None:
+            base.count_tiles(computed=int(counts[0]), masked=int(counts[1]))
+        return out, lse
+
+    def run_backward(self, inp, q, k, v, out, lse, dout, dlse):
+        import torch
+
+        delta = (dout.float() * out.float()).sum(-1)  # (B, Hq, Lq) = rowsum(dO ∘ O)
+        if dlse is not None:
+            delta = delta - dlse.float()
+        dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
+        _native.backward(q, k, v, dout, lse.contiguous(), delta.contiguous(), dq, dk, dv, inp.scale, BLOCK_Q,
+                         BLOCK_K, self.num_threads, **kernel_extras(inp))
+        return dq, dk, dv
+
+    def workspace_bytes(self, inp):
+        threads = self.num_threads
+        return tile_workspace(threads, BLOCK_Q, BLOCK_K, inp.group, inp.D, inp.Dv, "float32") \
+            + 4 * inp.B * inp.Hq * inp.Lq
+
+
+def _empty(like, shape):
+    if _arrays.is_torch(like):
+        import torch
+
+        return torch.empty(shape, dtype=like.dtype)
+    return np.empty(shape, dtype=like.dtype)
+
+
+def _empty_f32(like, shape):
+    if _arrays.is_torch(like):
+        import torch
+
+        return torch.empty(shape, dtype=torch.float32)
+    return np.empty(shape, dtype=np.float32)
+
+
+def kernel_extras(inp) -> dict:
+    """The kernel's keyword arguments for this call's mask and score modifiers."""
+    extras = dict(tile_class=None, lo=None, hi=None, bitmap_index=None, bitmaps=None, alibi=None, softcap=0.0,
+                  bias=None)
+    for mod in inp.score_mods:
+        if isinstance(mod, Alibi):
+            extras["alibi"] = mod.slopes.astype(np.float32)
+        elif isinstance(mod, Softcap):
+            extras["softcap"] = float(mod.cap)
+        elif isinstance(mod, Bias):
+            extras["bias"] = _float32_bias(mod)
+    if inp.mask is None:
+        return extras
+    classes = row_tile_classes(inp, BLOCK_Q, BLOCK_K)  # (R, nq, nk)
+    extras["tile_class"] = np.ascontiguousarray(classes)
+    if isinstance(inp.mask, IntervalMask):
+        extras["lo"], extras["hi"] = _intervals(inp)
+    else:
+        extras["bitmap_index"], extras["bitmaps"] = _partial_bitmaps(inp, classes)
+    return extras
+
+
+def _float32_bias(mod):
+    bias = mod._bound  # (B|1, H|1, Lq|1, Lk|1), bound by inputs.prepare
+    if _arrays.is_torch(bias):
+        return bias.detach().float()
+    return np.asarray(bias, dtype=np.float32)
+
+
+def _intervals(inp):
+    """Per (batch row, query) key bounds lo <= j <= hi, int32 (B|1, Lq), clipped to [-1, Lk]."""
+    probe = np.zeros(0)
+    b, _, qi, _ = tile_indices(probe, np.arange(inp.B), [0], 0, inp.Lq, 0, 1)
+    lo, hi = (np.broadcast_to(x, (inp.B, 1, inp.Lq, 1))[:, 0, :, 0] for x in inp.mask.interval(b, qi, inp.geom))
+    clip = lambda x: np.ascontiguousarray(np.clip(x, -1, inp.Lk), dtype=np.int32)  # noqa: E731
+    return clip(lo), clip(hi)
+
+
+def _partial_bitmaps(inp, classes):
+    """Allowed pairs of every PARTIAL tile: index (R, nq, nk) -> bitmap (n, G, BLOCK_Q, BLOCK_K) uint8."""
+    partial = classes == PARTIAL
+    index = np.full(classes.shape, -1, dtype=np.int32)
+    index[partial] = np.arange(int(partial.sum()), dtype=np.int32)
+    G, nk = inp.group, classes.shape[2]
+    bitmaps = np.zeros((int(partial.sum()), G, BLOCK_Q, BLOCK_K), dtype=np.uint8)
+    probe = np.zeros(0)
+    for t in range(classes.shape[1]):
+        rows_here = partial[:, t, :]  # (R, nk)
+        if not rows_here.any():
+            continue
+        q0, q1 = t * BLOCK_Q, min((t + 1) * BLOCK_Q, inp.Lq)
+        b, h, qi, ki = tile_indices(probe, np.arange(inp.B), np.arange(inp.Hq), q0, q1, 0, nk * BLOCK_K)
+        band = np.broadcast_to(inp.mask.allowed(b, h, qi, np.minimum(ki, inp.Lk - 1), inp.geom),
+                               (inp.B, inp.Hq, q1 - q0, nk * BLOCK_K))
+        # (B, Hkv, G, rows, nk, bk) -> (R, nk, G, rows, bk)
+        tiles = band.reshape(inp.B, inp.Hkv, G, q1 - q0, nk, BLOCK_K).transpose(0, 1, 4, 2, 3, 5)
+        tiles = tiles.reshape(inp.B * inp.Hkv, nk, G, q1 - q0, BLOCK_K)
+        bitmaps[index[:, t, :][rows_here], :, : q1 - q0, :] = tiles[rows_here]
+    return index, bitmaps
+
+
+_function = None
+
+
+def _autograd_function():
+    global _function
+    if _function is not None:
+        return _function
+    import torch
+
+    class NativeAttention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, inp, backend):
+            out, lse = backend.run_forward(inp, q, k, v)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.inp, ctx.backend = inp, backend
+            return out, lse
+
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, dout, dlse):
+            q, k, v, out, lse = ctx.saved_tensors
+            dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+            return (*ctx.backend.run_backward(ctx.inp, q, k, v, out, lse, dout, dlse), None, None)
+
+    _function = NativeAttention
+    return _function
+

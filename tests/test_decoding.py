@@ -1,0 +1,161 @@
+"""Decoding with a KV cache: the prompt, then a token (or a few) at a time, gives exactly
+the outputs of one full causal pass — MHA and GQA, NumPy and torch, with user masks."""
+import numpy as np
+import pytest
+
+import qkv
+from mha_reference import causal_allowed, reference_mha
+from qkv.kv_cache import KVCache
+from qkv.nn import MultiHeadAttention as NumpyMHA
+
+D_MODEL = 32
+KINDS = ["numpy", "torch"]
+
+
+def make(kind, num_heads=4, num_kv_heads=None, bias=True, seed=0):
+    """(module, to_array, to_numpy) for one kind, with random float64 weights (biases included)."""
+    rng = np.random.default_rng(seed)
+    np_mha = NumpyMHA(D_MODEL, num_heads, num_kv_heads=num_kv_heads, bias=bias, rng=rng)
+    np_mha.load_state_dict({n: rng.standard_normal(v.shape) * 0.3 for n, v in np_mha.state_dict().items()})
+    if kind == "numpy":
+        return np_mha, (lambda x: x), (lambda x: x)
+    torch = pytest.importorskip("torch")
+    import qkv.torch as qt
+
+    mha = qt.MultiHeadAttention(D_MODEL, num_heads, num_kv_heads=num_kv_heads, bias=bias, dtype=torch.float64)
+    mha.load_state_dict(np_mha.state_dict())
+    return mha, (lambda x: torch.tensor(x)), (lambda x: x.detach().numpy())
+
+
+def decode(mha, to, x, chunks, max_len=None, mask_for=None):
+    """Run x (B, L, d_model) through the cache in chunks; the concatenated outputs as NumPy."""
+    cache = mha.init_cache(x.shape[0], max_len or x.shape[1])
+    outs, start = [], 0
+    for n in chunks:
+        mask = None if mask_for is None else mask_for(start, start + n)
+        outs.append(mha(to(x[:, start:start + n]), mask=mask, cache=cache)[0])
+        start += n
+        assert cache.length == start
+    return outs, cache
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
+def test_prompt_then_tokens_equals_one_causal_pass(kind, num_kv_heads):
+    mha, to, back = make(kind, num_kv_heads=num_kv_heads)
+    x = np.random.default_rng(1).standard_normal((2, 12, D_MODEL))
+    full = back(mha(to(x), mask=qkv.causal())[0])
+    want = reference_mha(x, x, x, mha_state(mha), 4, num_kv_heads, allowed=causal_allowed(12, 12))[0]
+    np.testing.assert_allclose(full, want, rtol=1e-10, atol=1e-12)
+    outs, cache = decode(mha, to, x, [7, 1, 1, 1, 1, 1], max_len=16)
+    assert [o.shape[1] for o in outs] == [7, 1, 1, 1, 1, 1]
+    np.testing.assert_allclose(np.concatenate([back(o) for o in outs], axis=1), full, rtol=1e-10, atol=1e-12)
+    assert cache.keys.shape == (2, num_kv_heads, 16, 8)
+
+
+def mha_state(mha):
+    return {n: np.asarray(v.detach().numpy() if hasattr(v, "detach") else v) for n, v in mha.state_dict().items()}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prompt_in_chunks_of_different_sizes(kind):
+    mha, to, back = make(kind, num_kv_heads=2, seed=3)
+    x = np.random.default_rng(2).standard_normal((1, 12, D_MODEL))
+    full = back(mha(to(x), mask=qkv.causal())[0])
+    outs, _ = decode(mha, to, x, [3, 1, 4, 2, 2])
+    np.testing.assert_allclose(np.concatenate([back(o) for o in outs], axis=1), full, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_weights_with_cache_are_rows_of_the_full_weights(kind):
+    mha, to, back = make(kind, num_kv_heads=2, seed=4)
+    x = np.random.default_rng(3).standard_normal((2, 6, D_MODEL))
+    full_w = back(mha(to(x), mask=qkv.causal(), need_weights=True)[1])  # (B, H, 6, 6)
+    cache = mha.init_cache(2, 6)
+    mha(to(x[:, :4]), cache=cache)
+    _, w = mha(to(x[:, 4:5]), cache=cache, need_weights=True)
+    assert tuple(w.shape) == (2, 4, 1, 5)
+    np.testing.assert_allclose(back(w)[:, :, 0], full_w[:, :, 4, :5], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_user_masks_combine_with_the_cache(kind):
+    """Left padding (a boolean array per step) and a float bias, each against one full pass."""
+    mha, to, back = make(kind, num_kv_heads=2, seed=5)
+    B, L = 2, 9
+    x = np.random.default_rng(4).standard_normal((B, L, D_MODEL))
+    keys_ok = np.arange(L)[None, :] >= np.array([0, 3])[:, None]  # row 1 starts with 3 padding tokens
+    allowed = causal_allowed(L, L)[None, None] & keys_ok[:, None, None, :]  # (B, 1, L, L)
+    full = back(mha(to(x), mask=to(allowed))[0])
+    outs, _ = decode(mha, to, x, [5, 1, 2, 1], mask_for=lambda a, b: to(keys_ok[:, None, None, :b].copy()))
+    got = np.concatenate([back(o) for o in outs], axis=1)
+    np.testing.assert_allclose(got, full, rtol=1e-10, atol=1e-12)  # padding queries see nothing: b_o in both
+
+    bias = np.random.default_rng(6).standard_normal((B, 4, L, L))
+    causal_bias = np.where(causal_allowed(L, L), 0.0, -np.inf)
+    full = back(mha(to(x), mask=to(bias + causal_bias))[0])
+    outs, _ = decode(mha, to, x, [4, 3, 1, 1], mask_for=lambda a, b: to(bias[:, :, a:b, :b].copy()))
+    np.testing.assert_allclose(np.concatenate([back(o) for o in outs], axis=1), full, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_overflow_is_a_clear_error_and_leaves_the_cache_intact(kind):
+    mha, to, back = make(kind, seed=6)
+    x = np.random.default_rng(5).standard_normal((1, 9, D_MODEL))
+    cache = mha.init_cache(1, 8)
+    mha(to(x[:, :7]), cache=cache)
+    with pytest.raises(ValueError, match=r"max_len=8.*7 are filled and this call adds 2"):
+        mha(to(x[:, 7:9]), cache=cache)
+    assert cache.length == 7
+    last = back(mha(to(x[:, 7:8]), cache=cache)[0])
+    full = back(mha(to(x[:, :8]), mask=qkv.causal())[0])
+    np.testing.assert_allclose(last[:, 0], full[:, 7], rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="max_len"):
+        mha(to(x[:, 8:9]), cache=cache)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cache_errors(kind):
+    mha, to, _ = make(kind, num_kv_heads=2)
+    x = to(np.zeros((2, 3, D_MODEL)))
+    cache = mha.init_cache(2, 8)
+    with pytest.raises(ValueError, match="key and value must be None"):
+        mha(x, x, cache=cache)
+    with pytest.raises(ValueError, match="batch_size=2"):
+        mha(to(np.zeros((1, 3, D_MODEL))), cache=cache)
+    with pytest.raises(TypeError, match="cache must be a KVCache"):
+        mha(x, cache={"keys": None})
+    other, _, _ = make(kind, num_kv_heads=1)
+    with pytest.raises(ValueError, match="cache was made for"):
+        mha(x, cache=other.init_cache(2, 8))
+    with pytest.raises(ValueError, match="max_len must be a positive integer"):
+        mha.init_cache(2, 0)
+    with pytest.raises(ValueError, match="mask .* does not broadcast"):  # the mask must fit (Lq, length + Lq)
+        mha(x, mask=to(np.ones((2, 1, 3, 2), dtype=bool)), cache=cache)
+    assert cache.length == 0  # nothing was committed by the failed calls
+    mha(x, cache=cache)
+    cache.reset()
+    assert cache.length == 0 and "length=0, max_len=8" in repr(cache)
+
+
+def test_kv_cache_checks_its_arrays():
+    with pytest.raises(TypeError, match="NumPy arrays or torch tensors"):
+        KVCache([0], [0])
+    with pytest.raises(ValueError, match=r"shape \(B, Hkv, max_len, depth\)"):
+        KVCache(np.zeros((1, 2, 3)), np.zeros((1, 2, 3)))
+    cache = KVCache(np.zeros((1, 1, 4, 2), dtype=np.float32), np.zeros((1, 1, 4, 2), dtype=np.float32))
+    with pytest.raises(TypeError, match="dtype float64 but the cache holds float32"):
+        cache.stage(np.zeros((1, 1, 1, 2)), np.zeros((1, 1, 1, 2)))
+
+
+def test_torch_decoding_under_no_grad_keeps_the_dtype_and_device():
+    torch = pytest.importorskip("torch")
+    import qkv.torch as qt
+
+    mha = qt.MultiHeadAttention(16, 4, num_kv_heads=2)
+    cache = mha.init_cache(1, 4)
+    assert cache.keys.dtype == torch.float32 and not cache.keys.requires_grad
+    with torch.no_grad():
+        out, _ = mha(torch.randn(1, 3, 16), cache=cache)
+        out, _ = mha(out[:, -1:], cache=cache)
+    assert out.shape == (1, 1, 16) and cache.length == 4
