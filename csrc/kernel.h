@@ -79,19 +79,27 @@ inline void load_transposed(const Strided4& t, qkv::DType dt, int b, int h, int 
   }
 }
 
-// ---- the one matrix-multiply shape: C (M x N) (+)= A (M x K, row-major, lda) · B (K x N, ldb) ----
-// N is a multiple of W (B and C are padded); MR rows x NV vectors of C stay in registers.
+// ---- the one matrix-multiply shape: C (M x N) (+)= A (M x K) · B (K x N, row-major, ldb) ----
+// A is read element-wise at A[r * ars + k * acs], so it can be a transposed view of an input
+// (no packing); N is a multiple of W (B and C are padded). MR rows x NV vectors of C stay in
+// registers.
+struct Operand {
+  const float* p;
+  int64_t rs, cs;  // element strides of rows and columns
+};
+
 template <int MR, int NV>
-inline void micro(int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc, bool add) {
+inline void micro(int K, Operand A, const float* B, int ldb, float* C, int ldc, bool add) {
   Vec c[MR][NV];
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < NV; ++v) c[r][v] = add ? Vec::load(C + r * ldc + v * W) : Vec::zero();
   for (int k = 0; k < K; ++k) {
     Vec b[NV];
     for (int v = 0; v < NV; ++v) b[v] = Vec::load(B + int64_t(k) * ldb + v * W);
+    const float* a = A.p + k * A.cs;
     for (int r = 0; r < MR; ++r) {
-      Vec a = Vec::set1(A[r * lda + k]);
-      for (int v = 0; v < NV; ++v) c[r][v] = Vec::fma(a, b[v], c[r][v]);
+      Vec x = Vec::set1(a[r * A.rs]);
+      for (int v = 0; v < NV; ++v) c[r][v] = Vec::fma(x, b[v], c[r][v]);
     }
   }
   for (int r = 0; r < MR; ++r)
@@ -99,28 +107,29 @@ inline void micro(int K, const float* A, int lda, const float* B, int ldb, float
 }
 
 template <int NV>
-inline void gemm_columns(int M, int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc,
-                         bool add) {
+inline void gemm_columns(int M, int K, Operand A, const float* B, int ldb, float* C, int ldc, bool add) {
   constexpr int MR = NV >= 4 ? 6 : 8;
   int i = 0;
-  for (; i + MR <= M; i += MR) micro<MR, NV>(K, A + int64_t(i) * lda, lda, B, ldb, C + int64_t(i) * ldc, ldc, add);
-  for (; i < M; ++i) micro<1, NV>(K, A + int64_t(i) * lda, lda, B, ldb, C + int64_t(i) * ldc, ldc, add);
+  for (; i + MR <= M; i += MR)
+    micro<MR, NV>(K, {A.p + i * A.rs, A.rs, A.cs}, B, ldb, C + int64_t(i) * ldc, ldc, add);
+  for (; i < M; ++i) micro<1, NV>(K, {A.p + i * A.rs, A.rs, A.cs}, B, ldb, C + int64_t(i) * ldc, ldc, add);
 }
 
-inline void gemm(int M, int N, int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc,
-                 bool add) {
+inline void gemm(int M, int N, int K, Operand A, const float* B, int ldb, float* C, int ldc, bool add) {
   for (int j = 0; j < N;) {
     int vectors = (N - j) / W;
     int nv = vectors >= 4 ? 4 : vectors;
     switch (nv) {
-      case 4: gemm_columns<4>(M, K, A, lda, B + j, ldb, C + j, ldc, add); break;
-      case 3: gemm_columns<3>(M, K, A, lda, B + j, ldb, C + j, ldc, add); break;
-      case 2: gemm_columns<2>(M, K, A, lda, B + j, ldb, C + j, ldc, add); break;
-      default: gemm_columns<1>(M, K, A, lda, B + j, ldb, C + j, ldc, add); break;
+      case 4: gemm_columns<4>(M, K, A, B + j, ldb, C + j, ldc, add); break;
+      case 3: gemm_columns<3>(M, K, A, B + j, ldb, C + j, ldc, add); break;
+      case 2: gemm_columns<2>(M, K, A, B + j, ldb, C + j, ldc, add); break;
+      default: gemm_columns<1>(M, K, A, B + j, ldb, C + j, ldc, add); break;
     }
     j += nv * W;
   }
 }
+
+inline Operand rows_of(const float* p, int ld) { return {p, ld, 1}; }
 
 // ---- a tile's rule: modifiers and mask, applied to scores S (n x ld) -----------------------
 struct Tile {
@@ -138,8 +147,9 @@ inline int8_t tile_class(const Problem& p, int r, int t, int j) {
   return p.mask.tile_class[(int64_t(r) * nq + t) * nk + j];
 }
 
-// Modifiers, then -inf where the mask forbids (PARTIAL tiles) and in padding columns.
-inline void apply_rule(const Tile& tl, float* S, int ld) {
+// Modifiers, then -inf where the mask forbids (PARTIAL tiles only). Score (query rr, key c)
+// lives at S[rr * rs + c * cs]: the forward keeps scores transposed, the backward does not.
+inline void apply_rule(const Tile& tl, float* S, int64_t rs, int64_t cs) {
   const Problem& p = tl.p;
   const auto& mods = p.mods;
   const int n = tl.n(), shift = p.Lk - p.Lq;
@@ -150,88 +160,91 @@ inline void apply_rule(const Tile& tl, float* S, int ld) {
     int32_t index = p.mask.bitmap_index[(int64_t(tl.r) * nq + tl.t) * nk + tl.j];
     bitmap = p.mask.bitmaps + int64_t(index) * (p.Hq / p.Hkv) * p.block_q * p.block_k;
   }
+  const bool any_mod = mods.alibi_slopes || mods.bias || mods.softcap > 0;
+  if (!any_mod && !partial) return;
   for (int rr = 0; rr < n; ++rr) {
-    float* s = S + int64_t(rr) * ld;
+    float* s = S + int64_t(rr) * rs;
     const int h = tl.head(rr), i = tl.query(rr);
     if (mods.alibi_slopes) {
       float slope = mods.alibi_slopes[h];
-      for (int c = 0; c < tl.cols; ++c) s[c] -= slope * fabsf(float(i + shift - (tl.k0 + c)));
+      for (int c = 0; c < tl.cols; ++c) s[c * cs] -= slope * fabsf(float(i + shift - (tl.k0 + c)));
     }
     if (mods.bias) {
       const float* row = mods.bias + tl.b * mods.bias_s0 + h * mods.bias_s1 + i * mods.bias_s2;
-      for (int c = 0; c < tl.cols; ++c) s[c] += row[(tl.k0 + c) * mods.bias_s3];
+      for (int c = 0; c < tl.cols; ++c) s[c * cs] += row[(tl.k0 + c) * mods.bias_s3];
     }
     if (mods.softcap > 0) {
       float cap = mods.softcap, inv = 1.f / cap;
-      for (int c = 0; c < tl.cols; ++c) s[c] = cap * tanhf(s[c] * inv);
+      for (int c = 0; c < tl.cols; ++c) s[c * cs] = cap * tanhf(s[c * cs] * inv);
     }
     if (partial && p.mask.lo) {
       int64_t at = tl.b * p.mask.lohi_bstride + i;
       int lo = p.mask.lo[at] - tl.k0, hi = p.mask.hi[at] - tl.k0;
       for (int c = 0; c < tl.cols; ++c)
-        if (c < lo || c > hi) s[c] = NEG_INF;
+        if (c < lo || c > hi) s[c * cs] = NEG_INF;
     } else if (bitmap) {
       const uint8_t* allowed = bitmap + (int64_t(rr / tl.rows) * p.block_q + rr % tl.rows) * p.block_k;
       for (int c = 0; c < tl.cols; ++c)
-        if (!allowed[c]) s[c] = NEG_INF;
+        if (!allowed[c]) s[c * cs] = NEG_INF;
     }
-    for (int c = tl.cols; c < ld; ++c) s[c] = NEG_INF;
   }
 }
 
 // ---- forward -------------------------------------------------------------------------------
+// Scores are kept transposed, Sᵀ (keys x queries): the K tile is read in place as the left
+// operand, every vector holds W queries, and the online softmax runs down columns with no
+// horizontal reductions; the output accumulates transposed too, Oᵀ (Dv x queries).
 struct ForwardPlan {
   const Forward& f;
-  int G, nq, nk, splits, tiles_per_split, Dp, Dvp, bkp;
-  float* partial;  // splits > 1: per (row, q tile, split): m, l (n each) and acc (n x Dvp)
+  int G, nq, nk, splits, tiles_per_split, np;  // np: queries of a tile, padded to W
+  float* partial;  // splits > 1: per (row, q tile, split): m, l (np each) and Oᵀ (Dv x np)
   int64_t partial_stride;
 };
 
-// Online softmax over one tile: S (n x bkp) becomes P, m/l/acc are updated.
-inline void online_softmax(int n, int bkp, int Dvp, float* S, float* m, float* l, float* acc) {
-  for (int rr = 0; rr < n; ++rr) {
-    float* s = S + int64_t(rr) * bkp;
+// A key tile of k or v as an operand with rows = keys: in place for contiguous float32,
+// else converted into `scratch` (cols x n).
+inline Operand key_rows(const Strided4& t, qkv::DType dt, int b, int h, int k0, int cols, int n, float* scratch) {
+  if (dt == qkv::F32 && t.s3 == 1)
+    return {static_cast<const float*>(t.data) + b * t.s0 + h * t.s1 + int64_t(k0) * t.s2, t.s2, 1};
+  load_rows(t, dt, b, h, k0, cols, cols, n, n, 1.f, scratch);
+  return {scratch, n, 1};
+}
+
+inline Operand transposed(Operand a) { return {a.p, a.cs, a.rs}; }
+
+// Fold one tile of transposed scores ST (cols x np) into m, l (np) and OT (Dv x np); ST becomes Pᵀ.
+inline void online_softmax_columns(int cols, int np, int Dv, float* ST, float* m, float* l, float* OT) {
+  for (int q = 0; q < np; q += W) {
     Vec mx = Vec::set1(NEG_INF);
-    for (int c = 0; c < bkp; c += W) mx = Vec::max(mx, Vec::load(s + c));
-    float m_new = mx.reduce_max();
-    if (m[rr] > m_new) m_new = m[rr];
-    if (m_new == NEG_INF) {  // nothing allowed yet: contributes nothing
-      fill(s, bkp, 0.f);
-      continue;
-    }
-    float alpha = expf(m[rr] - m_new);  // rescales what was summed under the old max
-    Vec shift = Vec::set1(m_new), sum = Vec::zero();
-    for (int c = 0; c < bkp; c += W) {
-      Vec e = Vec::exp(Vec::load(s + c) - shift);
-      e.store(s + c);
+    for (int c = 0; c < cols; ++c) mx = Vec::max(mx, Vec::load(ST + int64_t(c) * np + q));
+    Vec m_old = Vec::load(m + q), m_new = Vec::max(m_old, mx);
+    Vec shift = Vec::finite_or_zero(m_new);  // columns with nothing allowed yet shift by 0
+    Vec alpha = Vec::exp(m_old - shift), sum = Vec::zero();
+    for (int c = 0; c < cols; ++c) {
+      float* s = ST + int64_t(c) * np + q;
+      Vec e = Vec::exp(Vec::load(s) - shift);
+      e.store(s);
       sum = sum + e;
     }
-    l[rr] = l[rr] * alpha + sum.reduce_add();
-    m[rr] = m_new;
-    if (alpha != 1.f) {
-      float* a = acc + int64_t(rr) * Dvp;
-      Vec va = Vec::set1(alpha);
-      for (int c = 0; c < Dvp; c += W) (Vec::load(a + c) * va).store(a + c);
-    }
+    (Vec::load(l + q) * alpha + sum).store(l + q);
+    m_new.store(m + q);
+    for (int d = 0; d < Dv; ++d) (Vec::load(OT + int64_t(d) * np + q) * alpha).store(OT + int64_t(d) * np + q);
   }
 }
 
-inline void store_output(const Forward& f, const Tile& tl, int Dvp, const float* m, const float* l,
-                         const float* acc) {
+inline void store_output(const Forward& f, const Tile& tl, int np, const float* m, const float* l, const float* OT) {
   const Problem& p = f.p;
   for (int rr = 0; rr < tl.n(); ++rr) {
-    const int h = tl.head(rr), i = tl.query(rr);
-    const int64_t at = (int64_t(tl.b) * p.Hq + h) * p.Lq + i;
+    const int64_t at = (int64_t(tl.b) * p.Hq + tl.head(rr)) * p.Lq + tl.query(rr);
     const bool none = l[rr] == 0.f;  // no allowed key: output 0, lse -inf (NaN stays NaN)
     const float inv = none ? 0.f : 1.f / l[rr];
     f.lse[at] = none ? NEG_INF : m[rr] + logf(l[rr]);
-    const float* a = acc + int64_t(rr) * Dvp;
     if (p.dtype == qkv::F32) {
       float* o = static_cast<float*>(f.out) + at * p.Dv;
-      for (int d = 0; d < p.Dv; ++d) o[d] = none ? 0.f : a[d] * inv;
+      for (int d = 0; d < p.Dv; ++d) o[d] = none ? 0.f : OT[int64_t(d) * np + rr] * inv;
     } else {
       uint16_t* o = static_cast<uint16_t*>(f.out) + at * p.Dv;
-      for (int d = 0; d < p.Dv; ++d) o[d] = f32_to_bf16(none ? 0.f : a[d] * inv);
+      for (int d = 0; d < p.Dv; ++d) o[d] = f32_to_bf16(none ? 0.f : OT[int64_t(d) * np + rr] * inv);
     }
   }
 }
@@ -245,21 +258,29 @@ inline Tile make_tile(const Problem& p, int r, int t, int j) {
   return tl;
 }
 
+// Qᵀ of a query tile, scale folded in: (D x np), zero beyond the tile's n queries.
+inline void load_queries_transposed(const Problem& p, const Tile& tl, int G, int np, float* QT) {
+  fill(QT, int64_t(p.D) * np, 0.f);
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < tl.rows; ++i) {
+      const int64_t base = tl.b * p.q.s0 + int64_t(tl.kv * G + g) * p.q.s1 + int64_t(tl.q0 + i) * p.q.s2;
+      const int rr = g * tl.rows + i;
+      for (int d = 0; d < p.D; ++d) QT[int64_t(d) * np + rr] = element(p.q, p.dtype, base + d * p.q.s3) * p.scale;
+    }
+}
+
 void forward_item(void* ctx, int64_t item) {
   const ForwardPlan& plan = *static_cast<const ForwardPlan*>(ctx);
   const Problem& p = plan.f.p;
   const int split = int(item % plan.splits), rt = int(item / plan.splits);
-  const int r = rt / plan.nq, t = rt % plan.nq;
+  const int r = rt / plan.nq, t = rt % plan.nq, np = plan.np;
   Tile tl = make_tile(p, r, t, 0);
-  const int n = tl.n(), Dp = plan.Dp, Dvp = plan.Dvp, bkp = plan.bkp;
-  Buffer Q(int64_t(n) * Dp), Kt(int64_t(Dp) * bkp), V(int64_t(bkp) * Dvp), S(int64_t(n) * bkp);
-  Buffer own(plan.splits > 1 ? 0 : int64_t(n) * (2 + Dvp));
+  Buffer QT(int64_t(p.D) * np), ST(int64_t(p.block_k) * np), scratch(int64_t(p.block_k) * (p.D + p.Dv));
+  Buffer own(plan.splits > 1 ? 0 : int64_t(np) * (2 + p.Dv));
   float* m = plan.splits > 1 ? plan.partial + item * plan.partial_stride : own.p;
-  float *l = m + n, *acc = l + n;
-  for (int g = 0; g < plan.G; ++g)
-    load_rows(p.q, p.dtype, tl.b, tl.kv * plan.G + g, tl.q0, tl.rows, tl.rows, p.D, Dp, p.scale,
-              Q.p + int64_t(g) * tl.rows * Dp);
-  fill(m, n, NEG_INF), fill(l, n, 0.f), fill(acc, int64_t(n) * Dvp, 0.f);
+  float *l = m + np, *OT = l + np;
+  load_queries_transposed(p, tl, plan.G, np, QT.p);
+  fill(m, np, NEG_INF), fill(l, np, 0.f), fill(OT, int64_t(p.Dv) * np, 0.f);
   const int j_end = imin(plan.nk, (split + 1) * plan.tiles_per_split);
   int64_t computed = 0, masked = 0;
   for (int j = split * plan.tiles_per_split; j < j_end; ++j) {
@@ -267,14 +288,14 @@ void forward_item(void* ctx, int64_t item) {
     if (cls == qkv::EMPTY) continue;
     computed += 1, masked += cls == qkv::PARTIAL;
     Tile tj = make_tile(p, r, t, j);
-    load_transposed(p.k, p.dtype, tl.b, tl.kv, tj.k0, tj.cols, p.D, bkp, Kt.p);
-    load_rows(p.v, p.dtype, tl.b, tl.kv, tj.k0, tj.cols, tj.cols, p.Dv, Dvp, 1.f, V.p);
-    gemm(n, bkp, p.D, Q.p, Dp, Kt.p, bkp, S.p, bkp, false);  // S = Q·Kᵀ (n x bk)
-    apply_rule(tj, S.p, bkp);
-    online_softmax(n, bkp, Dvp, S.p, m, l, acc);
-    gemm(n, Dvp, tj.cols, S.p, bkp, V.p, Dvp, acc, Dvp, true);  // acc += P·V (n x Dv)
+    Operand K = key_rows(p.k, p.dtype, tl.b, tl.kv, tj.k0, tj.cols, p.D, scratch.p);
+    Operand V = key_rows(p.v, p.dtype, tl.b, tl.kv, tj.k0, tj.cols, p.Dv, scratch.p + int64_t(p.block_k) * p.D);
+    gemm(tj.cols, np, p.D, K, QT.p, np, ST.p, np, false);  // Sᵀ = K·Qᵀ (keys x queries)
+    apply_rule(tj, ST.p, 1, np);
+    online_softmax_columns(tj.cols, np, p.Dv, ST.p, m, l, OT);
+    gemm(p.Dv, np, tj.cols, transposed(V), ST.p, np, OT, np, true);  // Oᵀ += Vᵀ·Pᵀ
   }
-  if (plan.splits == 1) store_output(plan.f, tl, Dvp, m, l, acc);
+  if (plan.splits == 1) store_output(plan.f, tl, np, m, l, OT);
   if (plan.f.tile_counts) {  // a builtin, not std::atomic: no shared inline templates here
     __atomic_fetch_add(&plan.f.tile_counts[0], computed, __ATOMIC_RELAXED);
     __atomic_fetch_add(&plan.f.tile_counts[1], masked, __ATOMIC_RELAXED);
@@ -286,25 +307,24 @@ void merge_item(void* ctx, int64_t rt) {
   const ForwardPlan& plan = *static_cast<const ForwardPlan*>(ctx);
   const Problem& p = plan.f.p;
   Tile tl = make_tile(p, int(rt / plan.nq), int(rt % plan.nq), 0);
-  const int n = tl.n(), Dvp = plan.Dvp;
-  Buffer merged(int64_t(n) * (2 + Dvp));
-  float *m = merged.p, *l = m + n, *acc = l + n;
-  fill(m, n, NEG_INF), fill(l, n, 0.f), fill(acc, int64_t(n) * Dvp, 0.f);
+  const int np = plan.np;
+  Buffer merged(int64_t(np) * (2 + p.Dv));
+  float *m = merged.p, *l = m + np, *OT = l + np;
+  fill(m, np, NEG_INF), fill(l, np, 0.f), fill(OT, int64_t(p.Dv) * np, 0.f);
   for (int s = 0; s < plan.splits; ++s) {
     const float* part = plan.partial + (rt * plan.splits + s) * plan.partial_stride;
-    for (int rr = 0; rr < n; ++rr) {
-      float ms = part[rr], ls = part[n + rr];
+    for (int rr = 0; rr < tl.n(); ++rr) {
+      float ms = part[rr], ls = part[np + rr];
       if (ls == 0.f) continue;
       float m_new = ms > m[rr] ? ms : m[rr];
       float a_old = expf(m[rr] - m_new), a_new = expf(ms - m_new);
       l[rr] = l[rr] * a_old + ls * a_new;
-      const float* as = part + 2 * n + int64_t(rr) * Dvp;
-      float* a = acc + int64_t(rr) * Dvp;
-      for (int d = 0; d < Dvp; ++d) a[d] = a[d] * a_old + as[d] * a_new;
+      for (int d = 0; d < p.Dv; ++d)
+        OT[int64_t(d) * np + rr] = OT[int64_t(d) * np + rr] * a_old + part[2 * np + int64_t(d) * np + rr] * a_new;
       m[rr] = m_new;
     }
   }
-  store_output(plan.f, tl, Dvp, m, l, acc);
+  store_output(plan.f, tl, np, m, l, OT);
 }
 
 }  // namespace
@@ -312,8 +332,8 @@ void merge_item(void* ctx, int64_t rt) {
 void forward(const Forward& f) {
   const Problem& p = f.p;
   if (p.B == 0 || p.Hkv == 0 || p.Lq == 0) return;  // nothing to write
-  ForwardPlan plan{f, p.Hq / p.Hkv, cdiv(p.Lq, p.block_q), cdiv(p.Lk, p.block_k), 1, 0,
-                   round_up(p.D, W), round_up(p.Dv, W), round_up(p.block_k, W), nullptr, 0};
+  const int G = p.Hq / p.Hkv;
+  ForwardPlan plan{f, G, cdiv(p.Lq, p.block_q), cdiv(p.Lk, p.block_k), 1, 0, round_up(G * p.block_q, W), nullptr, 0};
   plan.tiles_per_split = plan.nk;
   const int64_t items = int64_t(p.B) * p.Hkv * plan.nq;
   // Few (row, query tile) items and many keys (decoding): split the keys too, so every
@@ -327,8 +347,7 @@ void forward(const Forward& f) {
     qkv::parallel_for(items, p.num_threads, forward_item, &plan);
     return;
   }
-  const int n = plan.G * p.block_q;
-  plan.partial_stride = int64_t(n) * (2 + plan.Dvp);
+  plan.partial_stride = int64_t(plan.np) * (2 + p.Dv);
   Buffer partial(items * plan.splits * plan.partial_stride);
   plan.partial = partial.p;
   qkv::parallel_for(items * plan.splits, p.num_threads, forward_item, &plan);
@@ -369,9 +388,10 @@ inline void probabilities_and_score_grads(const BackwardPlan& plan, const Tile& 
                                           const float* Kt, const float* Vt, float* S, float* dP) {
   const Problem& p = plan.bw.p;
   const int n = tj.n(), bkp = plan.bkp;
-  gemm(n, bkp, p.D, qt.Q.p, plan.Dp, Kt, bkp, S, bkp, false);      // S = Q·Kᵀ
-  apply_rule(tj, S, bkp);
-  gemm(n, bkp, p.Dv, qt.dO.p, plan.Dvp, Vt, bkp, dP, bkp, false);  // dP = dO·Vᵀ
+  gemm(n, bkp, p.D, rows_of(qt.Q.p, plan.Dp), Kt, bkp, S, bkp, false);      // S = Q·Kᵀ
+  apply_rule(tj, S, bkp, 1);
+  for (int rr = 0; rr < n; ++rr) fill(S + int64_t(rr) * bkp + tj.cols, bkp - tj.cols, NEG_INF);  // padding keys
+  gemm(n, bkp, p.Dv, rows_of(qt.dO.p, plan.Dvp), Vt, bkp, dP, bkp, false);  // dP = dO·Vᵀ
   const float cap = p.mods.softcap;
   for (int rr = 0; rr < n; ++rr) {
     float* s = S + int64_t(rr) * bkp;
@@ -411,7 +431,7 @@ void dq_item(void* ctx, int64_t rt) {
     load_transposed(p.v, p.dtype, tl.b, tl.kv, tj.k0, tj.cols, p.Dv, bkp, Vt.p);
     load_rows(p.k, p.dtype, tl.b, tl.kv, tj.k0, tj.cols, bkp, p.D, plan.Dp, 1.f, K.p);
     probabilities_and_score_grads(plan, tj, qt, Kt.p, Vt.p, S.p, dP.p);
-    gemm(n, plan.Dp, tj.cols, dP.p, bkp, K.p, plan.Dp, dQ.p, plan.Dp, true);  // dQ += dS·K
+    gemm(n, plan.Dp, tj.cols, rows_of(dP.p, bkp), K.p, plan.Dp, dQ.p, plan.Dp, true);  // dQ += dS·K
   }
   for (int rr = 0; rr < n; ++rr) {
     const int64_t at = (int64_t(tl.b) * p.Hq + tl.head(rr)) * p.Lq + tl.query(rr);
@@ -463,9 +483,9 @@ void dkdv_item(void* ctx, int64_t rj) {
     QueryTile qt(plan, tj);
     probabilities_and_score_grads(plan, tj, qt, Kt.p, Vt.p, S.p, dP.p);
     transpose(n, tj.cols, S.p, bkp, T.p, n);
-    gemm(tj.cols, plan.Dvp, n, T.p, n, qt.dO.p, plan.Dvp, dV.p, plan.Dvp, true);  // dV += Pᵀ·dO
+    gemm(tj.cols, plan.Dvp, n, rows_of(T.p, n), qt.dO.p, plan.Dvp, dV.p, plan.Dvp, true);  // dV += Pᵀ·dO
     transpose(n, tj.cols, dP.p, bkp, T.p, n);
-    gemm(tj.cols, plan.Dp, n, T.p, n, qt.Q.p, plan.Dp, dK.p, plan.Dp, true);  // dK += dSᵀ·(scale·Q)
+    gemm(tj.cols, plan.Dp, n, rows_of(T.p, n), qt.Q.p, plan.Dp, dK.p, plan.Dp, true);  // dK += dSᵀ·(scale·Q)
   }
   const int64_t first = (int64_t(tk.b) * p.Hkv + tk.kv) * p.Lk + tk.k0;
   store_rows(p, plan.bw.dk, first, tk.cols, p.D, dK.p, plan.Dp);

@@ -24,6 +24,11 @@ struct Vec {
   friend Vec operator-(Vec a, Vec b) { return {_mm512_sub_ps(a.v, b.v)}; }
   friend Vec operator+(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
   static Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
+  // x where x > -inf, else 0 (a row max with nothing allowed yet shifts by 0)
+  static Vec finite_or_zero(Vec x) {
+    __mmask16 none = _mm512_cmp_ps_mask(x.v, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
+    return {_mm512_mask_blend_ps(none, x.v, _mm512_setzero_ps())};
+  }
   float reduce_max() const { return _mm512_reduce_max_ps(v); }
   float reduce_add() const { return _mm512_reduce_add_ps(v); }
   // exp(x) for x <= 0 (scores minus their row max); 0 below the float range, NaN stays NaN.
@@ -58,6 +63,9 @@ struct Vec {
   friend Vec operator-(Vec a, Vec b) { return {_mm256_sub_ps(a.v, b.v)}; }
   friend Vec operator+(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
   static Vec max(Vec a, Vec b) { return {_mm256_max_ps(a.v, b.v)}; }
+  static Vec finite_or_zero(Vec x) {
+    return {_mm256_blendv_ps(x.v, _mm256_setzero_ps(), _mm256_cmp_ps(x.v, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ))};
+  }
   float reduce_max() const {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -104,6 +112,7 @@ struct Vec {  // portable: plain loops the compiler may vectorise for the baseli
   friend Vec operator-(Vec a, Vec b) { for (int i = 0; i < W; ++i) a.v[i] -= b.v[i]; return a; }
   friend Vec operator+(Vec a, Vec b) { for (int i = 0; i < W; ++i) a.v[i] += b.v[i]; return a; }
   static Vec max(Vec a, Vec b) { for (int i = 0; i < W; ++i) a.v[i] = b.v[i] > a.v[i] ? b.v[i] : a.v[i]; return a; }
+  static Vec finite_or_zero(Vec x) { for (float& e : x.v) e = e == -INFINITY ? 0.f : e; return x; }
   float reduce_max() const { float m = v[0]; for (float e : v) m = e > m ? e : m; return m; }
   float reduce_add() const { float s = 0; for (float e : v) s += e; return s; }
   static Vec exp(Vec x) { for (float& e : x.v) e = expf(e); return x; }

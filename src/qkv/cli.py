@@ -52,6 +52,15 @@ def cmd_check(args) -> int:
     return 1 if failures else 0
 
 
+def cmd_bench(args) -> int:
+    try:
+        from qkv import bench
+    except ImportError as error:
+        print(f"qkv bench needs torch and rich: pip install qkv[bench] ({error})", file=sys.stderr)
+        return 1
+    return bench.run(args)
+
+
 def cmd_demo(args) -> int:
     from qkv import demo
 
@@ -97,8 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
         ("demo", cmd_demo, "walk through the seed examples, masks, decoding and a long sequence"),
         ("info", cmd_info, "versions, machine, and which backends can run here (and why not)"),
         ("check", cmd_check, "check every available backend against the float64 reference"),
+        ("bench", cmd_bench, "measure qkv's backends against torch and other peers, side by side"),
     ]:
-        sub.add_parser(name, help=text, description=text).set_defaults(func=func)
+        command = sub.add_parser(name, help=text, description=text)
+        command.set_defaults(func=func)
+        if name == "bench":
+            from qkv.bench import add_arguments
+
+            add_arguments(command)
     return parser
 
 

@@ -1,0 +1,349 @@
+"""`qkv bench`: qkv's backends against their peers, measured side by side in one run.
+
+Each workload runs every implementation on the same inputs, interleaved (round-robin, so
+drifting clocks and background load hit all of them alike), and reports the median time
+as GFLOP/s (4·B·H·Lq·Lk·D for the forward, half of it when causal, 2.5x for the
+backward) or, for decoding, as GB/s of K/V read; the ratio to torch's own
+`scaled_dot_product_attention`; and the peak memory a call added (resident set, Linux).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from . import attention, causal, dispatch
+
+
+@dataclass
+class Workload:
+    name: str
+    B: int
+    Hq: int
+    Hkv: int
+    Lq: int
+    Lk: int
+    D: int
+    dtype: str = "float32"
+    causal: bool = False
+    backward: bool = False
+
+    @property
+    def decoding(self) -> bool:
+        return self.Lq <= 16 and self.Lk >= 1024 and not self.backward
+
+    def flops(self) -> float:
+        f = 4.0 * self.B * self.Hq * self.Lq * self.Lk * self.D
+        f = f / 2 if self.causal else f
+        return f * 3.5 if self.backward else f  # forward + backward (2.5x)
+
+    def bytes_read(self) -> float:
+        element = 2 if self.dtype in ("bfloat16", "float16") else 4
+        return 2.0 * self.B * self.Hkv * self.Lk * self.D * element  # K and V
+
+
+@dataclass
+class Result:
+    workload: str
+    impl: str
+    seconds: float | None
+    rate: float | None  # GFLOP/s, or GB/s for decoding
+    unit: str
+    ratio_to_torch: float | None = None
+    peak_mib: float | None = None
+    error: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def default_suite() -> list[Workload]:
+    return [
+        Workload("fwd fp32", 1, 8, 8, 4096, 4096, 64),
+        Workload("fwd bf16", 1, 8, 8, 4096, 4096, 64, dtype="bfloat16"),
+        Workload("fwd causal fp32", 1, 8, 8, 4096, 4096, 64, causal=True),
+        Workload("fwd+bwd fp32", 1, 8, 8, 4096, 4096, 64, backward=True),
+        Workload("decode GQA 32/8 fp32", 1, 32, 8, 1, 32768, 128),
+    ]
+
+
+def sweep_suite(lengths=(512, 1024, 2048, 4096, 8192)) -> list[Workload]:
+    return [Workload(f"fwd fp32 L={n}", 1, 8, 8, n, n, 64) for n in lengths]
+
+
+# ---- implementations ------------------------------------------------------------------------
+def implementations(w: Workload, peers: bool = True) -> dict:
+    """name -> (setup() -> call) for everything that can run this workload here."""
+    impls = {}
+    for name, backend in dispatch.REGISTRY.items():
+        if backend.automatic and backend.missing() is None and w.dtype in backend.caps.dtypes:
+            if name == "numpy" and (w.backward or w.dtype != "float32" or w.flops() > 2e11):
+                continue  # the NumPy backend has no autograd; skip the slow giant runs
+            impls[f"qkv {name}"] = _qkv_impl(w, name)
+    impls["torch sdpa"] = _torch_sdpa_impl(w)
+    if peers and not w.decoding and importlib.util.find_spec("torch.nn.attention.flex_attention"):
+        impls["torch flex (compiled)"] = _flex_impl(w)
+    return impls
+
+
+def _inputs(w: Workload, kind: str, requires_grad: bool = False):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    dt = getattr(torch, w.dtype)
+    q = torch.randn(w.B, w.Hq, w.Lq, w.D, generator=g).to(dt)
+    k = torch.randn(w.B, w.Hkv, w.Lk, w.D, generator=g).to(dt)
+    v = torch.randn(w.B, w.Hkv, w.Lk, w.D, generator=g).to(dt)
+    if kind == "numpy":
+        return tuple(x.numpy() for x in (q, k, v))
+    return tuple(x.requires_grad_(requires_grad) for x in (q, k, v))
+
+
+def _with_backward(run, tensors):
+    """A call that runs forward and backward (gradient of out.sum()) and drops the gradients."""
+    def call():
+        run().sum().backward()
+        for t in tensors:
+            t.grad = None
+    return call
+
+
+def _qkv_impl(w, backend):
+    def setup():
+        kind = "numpy" if "torch" not in dispatch.REGISTRY[backend].caps.kinds else "torch"
+        q, k, v = _inputs(w, kind, w.backward)
+        mask = causal() if w.causal else None
+        run = lambda: attention(q, k, v, mask, backend=backend)  # noqa: E731
+        return _with_backward(run, (q, k, v)) if w.backward else run
+    return setup
+
+
+def _torch_sdpa_impl(w):
+    def setup():
+        import torch.nn.functional as F
+
+        q, k, v = _inputs(w, "torch", w.backward)
+        # torch's is_causal is top-left aligned: the same as qkv's causal() when Lq == Lk
+        run = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=w.causal,  # noqa: E731
+                                                      enable_gqa=w.Hq != w.Hkv)
+        return _with_backward(run, (q, k, v)) if w.backward else run
+    return setup
+
+
+def _flex_impl(w):
+    def setup():
+        import torch
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        q, k, v = _inputs(w, "torch", w.backward)
+        compiled = torch.compile(flex_attention, dynamic=False)
+        block_mask = None
+        if w.causal:
+            block_mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, w.Lq, w.Lk, device="cpu")
+        run = lambda: compiled(q, k, v, block_mask=block_mask, enable_gqa=w.Hq != w.Hkv)  # noqa: E731
+        return _with_backward(run, (q, k, v)) if w.backward else run
+    return setup
+
+
+# ---- measuring --------------------------------------------------------------------------------
+def _rss_peak_reset() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets the peak resident set (VmHWM)
+        return True
+    except OSError:
+        return False
+
+
+def _status_kib(field_name: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field_name):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _peak_mib(call) -> float | None:
+    """Peak resident memory one call adds, in MiB (None where Linux's counters are missing)."""
+    if not _rss_peak_reset():
+        return None
+    before = _status_kib("VmRSS:")
+    call()
+    peak = _status_kib("VmHWM:")
+    return None if before is None or peak is None else max(0.0, (peak - before) / 1024)
+
+
+def measure_workload(w: Workload, repeats: int, peers: bool, progress=None) -> list[Result]:
+    calls, results = {}, {}
+    for name, setup in implementations(w, peers).items():
+        try:
+            call = setup()
+            call()  # warm-up (compiles what compiles)
+            calls[name] = call
+            results[name] = []
+        except Exception as error:  # a peer that does not run here is reported, not fatal
+            results[name] = error
+        if progress:
+            progress()
+    for _ in range(repeats):  # interleaved: every implementation once per round
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            results[name].append(time.perf_counter() - start)
+        if progress:
+            progress()
+    rows = []
+    for name, times in results.items():
+        if isinstance(times, Exception):
+            rows.append(Result(w.name, name, None, None, "", error=f"{type(times).__name__}: {times}"[:120]))
+            continue
+        seconds = statistics.median(times)
+        rate, unit = (w.bytes_read() / seconds / 1e9, "GB/s") if w.decoding else (w.flops() / seconds / 1e9,
+                                                                                   "GFLOP/s")
+        rows.append(Result(w.name, name, seconds, rate, unit, peak_mib=_peak_mib(calls[name])))
+    torch_time = next((r.seconds for r in rows if r.impl == "torch sdpa" and r.seconds), None)
+    for r in rows:
+        if r.seconds and torch_time:
+            r.ratio_to_torch = torch_time / r.seconds
+    return rows
+
+
+def memory_bandwidth_gbs(megabytes: int = 1024, repeats: int = 5) -> float:
+    """Read bandwidth: the best of a few threaded sums over a large float32 array."""
+    import torch
+
+    x = torch.ones(megabytes * 2**20 // 4)
+    x.sum()
+    best = min(_timed(lambda: x.sum()) for _ in range(repeats))
+    return x.numel() * 4 / best / 1e9
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def machine() -> dict:
+    import torch
+
+    from . import __version__
+    from .backends import native
+
+    cpu = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {
+        "cpu": cpu, "machine": platform.machine(),
+        "threads": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__, "qkv": __version__,
+        "native_isa": native._native.isa() if native._native else "not built",
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+# ---- the command ------------------------------------------------------------------------------
+def parse_shape(text: str) -> Workload:
+    """'B,H,L,D' or 'B,Hq,Hkv,Lq,Lk,D' -> a forward workload."""
+    parts = [int(x) for x in text.split(",")]
+    if len(parts) == 4:
+        B, H, L, D = parts
+        return Workload(f"fwd B={B} H={H} L={L} D={D}", B, H, H, L, L, D)
+    if len(parts) == 6:
+        B, Hq, Hkv, Lq, Lk, D = parts
+        return Workload(f"fwd B={B} Hq={Hq} Hkv={Hkv} Lq={Lq} Lk={Lk} D={D}", B, Hq, Hkv, Lq, Lk, D)
+    raise ValueError(f"--shape takes B,H,L,D or B,Hq,Hkv,Lq,Lk,D; got {text!r}")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--shape", action="append", type=parse_shape, default=[],
+                        help="B,H,L,D or B,Hq,Hkv,Lq,Lk,D (repeatable); replaces the default suite")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="dtype of --shape workloads")
+    parser.add_argument("--causal", action="store_true", help="--shape workloads are causal")
+    parser.add_argument("--backward", action="store_true", help="--shape workloads include the backward")
+    parser.add_argument("--sweep", action="store_true", help="also sweep the sequence length (for --plot)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds per workload (median reported)")
+    parser.add_argument("--no-peers", action="store_true", help="skip torch flex_attention (slow to compile)")
+    parser.add_argument("--json", metavar="PATH", help="write every result and the machine as JSON")
+    parser.add_argument("--plot", metavar="PNG", help="plot throughput against sequence length (needs --sweep)")
+
+
+def run(args) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    console = Console(width=None if os.isatty(1) else 130)
+    workloads = args.shape or default_suite()
+    for w in args.shape:
+        w.dtype = args.dtype or w.dtype
+        w.causal, w.backward = args.causal, args.backward
+    if args.sweep:
+        workloads = workloads + sweep_suite()
+    info = machine()
+    console.print(f"{info['cpu']} ({info['machine']}), {info['threads']} threads, native kernel: {info['native_isa']}; "
+                  f"qkv {info['qkv']}, torch {info['torch']}, numpy {info['numpy']}, python {info['python']}")
+    results = []
+    with Progress(console=console, transient=True) as bar:
+        for w in workloads:
+            steps = len(implementations(w, not args.no_peers)) + args.repeats
+            task = bar.add_task(w.name, total=steps)
+            results += measure_workload(w, args.repeats, not args.no_peers, lambda: bar.advance(task))
+    bandwidth = memory_bandwidth_gbs() if any(w.decoding for w in workloads) else None
+    table = Table(title=f"qkv bench, {info['date']}")
+    for col in ("workload", "implementation", "time (ms)", "throughput", "vs torch sdpa", "peak MiB"):
+        table.add_column(col, justify="left" if col in ("workload", "implementation") else "right")
+    for r in results:
+        if r.error:
+            table.add_row(r.workload, r.impl, "-", "-", "-", "-", style="dim")
+            continue
+        share = f" ({100 * r.rate / bandwidth:.0f}% of {bandwidth:.1f})" if r.unit == "GB/s" and bandwidth else ""
+        table.add_row(r.workload, r.impl, f"{r.seconds * 1e3:.1f}", f"{r.rate:.1f} {r.unit}{share}",
+                      f"{r.ratio_to_torch:.2f}x" if r.ratio_to_torch else "-",
+                      f"{r.peak_mib:.1f}" if r.peak_mib is not None else "-")
+    console.print(table)
+    for r in results:
+        if r.error:
+            console.print(f"[dim]{r.workload} / {r.impl}: did not run ({r.error})[/dim]")
+    if bandwidth:
+        console.print(f"measured memory read bandwidth: {bandwidth:.1f} GB/s (torch sum over 1 GiB)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": info, "memory_read_gbs": bandwidth, "results": [asdict(r) for r in results]},
+                      f, indent=2)
+    if args.plot:
+        plot(results, args.plot, info)
+        console.print(f"plot written to {args.plot}")
+    return 0
+
+
+def plot(results: list[Result], path: str, info: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sweep = [r for r in results if r.workload.startswith("fwd fp32 L=") and r.rate]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for impl in sorted({r.impl for r in sweep}):
+        points = sorted((int(r.workload.split("=")[1]), r.rate) for r in sweep if r.impl == impl)
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=impl)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length (B=1, H=8, D=64, float32)")
+    ax.set_ylabel("GFLOP/s")
+    ax.set_title(f"attention forward, {info['cpu']}, {info['threads']} threads", fontsize=9)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
