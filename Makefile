@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --disable-pip-version-check -q -c constraints.txt
 
-.PHONY: demo test clean
+.PHONY: demo test sanitize clean
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -24,5 +24,15 @@ demo: $(VENV)/.demo
 test: $(VENV)/.dev
 	$(PY) -m pytest -q
 
+# The native kernel built with AddressSanitizer and UndefinedBehaviorSanitizer, running its tests.
+ASAN_VENV := .venv-asan
+sanitize:
+	$(PYTHON) -m venv $(ASAN_VENV)
+	QKV_SANITIZE=ON $(ASAN_VENV)/bin/python -m pip install --disable-pip-version-check -q -c constraints.txt \
+		--config-settings=build-dir=build/asan ".[dev]"
+	cd tests && LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+		ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+		../$(ASAN_VENV)/bin/python -m pytest -q -p no:cacheprovider test_native.py test_tiles.py test_gradients.py -k native
+
 clean:
-	rm -rf $(VENV) build src/*.egg-info
+	rm -rf $(VENV) $(ASAN_VENV) build

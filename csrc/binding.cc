@@ -5,6 +5,9 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <cstdlib>
 #include <cstring>
 #include <optional>
@@ -22,7 +25,15 @@ using Flat = nb::ndarray<T, nb::c_contig, nb::device::cpu>;
 
 namespace {
 
-enum class Isa { Generic, Avx2, Avx512 };
+enum class Isa { Generic, Avx2, Avx512, Amx };
+
+#if defined(QKV_X86)
+// Linux hands out the AMX tile state only to processes that ask for it.
+bool amx_permitted() {
+  const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+#endif
 
 Isa detect_isa() {
   Isa best = Isa::Generic;
@@ -32,11 +43,15 @@ Isa detect_isa() {
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
     best = Isa::Avx512;
+  if (best == Isa::Avx512 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("amx-tile") &&
+      __builtin_cpu_supports("amx-bf16") && amx_permitted())
+    best = Isa::Amx;
 #endif
   // QKV_ISA=generic|avx2 forces a lower path (tests); never a higher one than the CPU has.
   if (const char* force = std::getenv("QKV_ISA")) {
     if (!std::strcmp(force, "generic")) best = Isa::Generic;
-    else if (!std::strcmp(force, "avx2") && best == Isa::Avx512) best = Isa::Avx2;
+    else if (!std::strcmp(force, "avx2") && best >= Isa::Avx2) best = Isa::Avx2;
+    else if (!std::strcmp(force, "avx512") && best >= Isa::Avx512) best = Isa::Avx512;
   }
   return best;
 }
@@ -48,6 +63,7 @@ Isa isa() {
 
 const char* isa_name() {
   switch (isa()) {
+    case Isa::Amx: return "amx";
     case Isa::Avx512: return "avx512";
     case Isa::Avx2: return "avx2";
     default: return "generic";
@@ -106,6 +122,7 @@ Problem make_problem(const Any& q, const Any& k, const Any& v, float scale, int 
 void run_forward(const Forward& f) {
   switch (isa()) {
 #if defined(QKV_X86)
+    case Isa::Amx: isa_amx::forward(f); break;
     case Isa::Avx512: isa_avx512::forward(f); break;
     case Isa::Avx2: isa_avx2::forward(f); break;
 #endif
@@ -116,6 +133,7 @@ void run_forward(const Forward& f) {
 void run_backward(const Backward& b) {
   switch (isa()) {
 #if defined(QKV_X86)
+    case Isa::Amx: isa_amx::backward(b); break;
     case Isa::Avx512: isa_avx512::backward(b); break;
     case Isa::Avx2: isa_avx2::backward(b); break;
 #endif

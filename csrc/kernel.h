@@ -11,6 +11,7 @@
 #pragma once
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "problem.h"
 #include "vec.h"
@@ -196,7 +197,9 @@ inline void apply_rule(const Tile& tl, float* S, int64_t rs, int64_t cs) {
 // horizontal reductions; the output accumulates transposed too, Oᵀ (Dv x queries).
 struct ForwardPlan {
   const Forward& f;
-  int G, nq, nk, splits, tiles_per_split, np;  // np: queries of a tile, padded to W
+  int G, nq, nk, splits, tiles_per_split, np;  // np: queries of a tile, padded to W (32 with AMX)
+  int dv_rows;     // rows of Oᵀ: Dv, padded to 32 with AMX
+  bool amx;        // bfloat16 through AMX tiles
   float* partial;  // splits > 1: per (row, q tile, split): m, l (np each) and Oᵀ (Dv x np)
   int64_t partial_stride;
 };
@@ -269,18 +272,136 @@ inline void load_queries_transposed(const Problem& p, const Tile& tl, int G, int
     }
 }
 
+
+#if defined(QKV_AMX)
+// ---- AMX (bfloat16 tile matrix multiply) ------------------------------------------------------
+// Eight tile registers of 16 rows x 64 bytes: C = tmm0..3 (2x2 blocks of 16x16 float32),
+// A = tmm4, tmm5 (16 rows x 32 bf16), B = tmm6, tmm7 (16 pairs x 16 columns, "VNNI" layout:
+// row p holds, for each column, the elements 2p and 2p+1 of the reduction dimension).
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+inline void amx_configure() {
+  TileConfig cfg;
+  memset(&cfg, 0, sizeof cfg);
+  cfg.palette = 1;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+  _tile_loadconfig(&cfg);
+}
+
+// C (rows x np, float32, ldc) (+)= A (rows x depth bf16, lda) · B (depth/2 pairs x np, VNNI, np*2 per pair).
+// rows, np and depth are multiples of 32.
+inline void amx_matmul(int rows, int np, int depth, const uint16_t* A, int64_t lda, const uint16_t* B, float* C,
+                       int64_t ldc, bool add) {
+  for (int i = 0; i < rows; i += 32)
+    for (int q = 0; q < np; q += 32) {
+      float* c = C + i * ldc + q;
+      if (add) {
+        _tile_loadd(0, c, ldc * 4); _tile_loadd(1, c + 16, ldc * 4);
+        _tile_loadd(2, c + 16 * ldc, ldc * 4); _tile_loadd(3, c + 16 * ldc + 16, ldc * 4);
+      } else {
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+      }
+      for (int k = 0; k < depth; k += 32) {
+        const uint16_t* b = B + int64_t(k / 2) * np * 2 + q * 2;
+        _tile_loadd(4, A + i * lda + k, lda * 2);
+        _tile_loadd(5, A + (i + 16) * lda + k, lda * 2);
+        _tile_loadd(6, b, np * 4);
+        _tile_loadd(7, b + 32, np * 4);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, c, ldc * 4); _tile_stored(1, c + 16, ldc * 4);
+      _tile_stored(2, c + 16 * ldc, ldc * 4); _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
+    }
+}
+
+inline uint16_t bits(const Strided4& t, int64_t off) { return static_cast<const uint16_t*>(t.data)[off]; }
+
+// Qᵀ of a query tile in VNNI pairs: (Dpad/2) x np x 2 bf16, zero padded (scale applied later).
+inline void pack_queries(const Problem& p, const Tile& tl, int G, int Dpad, int np, uint16_t* QB) {
+  memset(QB, 0, size_t(Dpad) * np * 2);
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < tl.rows; ++i) {
+      const int64_t base = tl.b * p.q.s0 + int64_t(tl.kv * G + g) * p.q.s1 + int64_t(tl.q0 + i) * p.q.s2;
+      const int rr = g * tl.rows + i;
+      for (int d = 0; d < p.D; ++d) QB[int64_t(d / 2) * np * 2 + rr * 2 + (d & 1)] = bits(p.q, base + d * p.q.s3);
+    }
+}
+
+// A key tile of k as bf16 rows (keys_pad x Dpad): in place when it already is one, else copied.
+inline const uint16_t* key_tile(const Problem& p, const Tile& tj, int Dpad, int keys_pad, uint16_t* scratch,
+                                int64_t* ld) {
+  const Strided4& k = p.k;
+  const int64_t base = tj.b * k.s0 + int64_t(tj.kv) * k.s1 + int64_t(tj.k0) * k.s2;
+  if (k.s3 == 1 && p.D == Dpad && tj.cols == keys_pad) {
+    *ld = k.s2;
+    return static_cast<const uint16_t*>(k.data) + base;
+  }
+  memset(scratch, 0, size_t(keys_pad) * Dpad * 2);
+  for (int c = 0; c < tj.cols; ++c)
+    for (int d = 0; d < p.D; ++d) scratch[int64_t(c) * Dpad + d] = bits(k, base + c * k.s2 + d * k.s3);
+  *ld = Dpad;
+  return scratch;
+}
+
+// Vᵀ of a key tile: (Dv_pad x keys_pad) bf16, zero padded.
+inline void pack_values_transposed(const Problem& p, const Tile& tj, int dv_pad, int keys_pad, uint16_t* VT) {
+  memset(VT, 0, size_t(dv_pad) * keys_pad * 2);
+  const Strided4& v = p.v;
+  const int64_t base = tj.b * v.s0 + int64_t(tj.kv) * v.s1 + int64_t(tj.k0) * v.s2;
+  for (int c = 0; c < tj.cols; ++c)
+    for (int d = 0; d < p.Dv; ++d) VT[int64_t(d) * keys_pad + c] = bits(v, base + c * v.s2 + d * v.s3);
+}
+
+// Pᵀ (cols x np float32) as VNNI pairs of keys: (keys_pad/2) x np x 2 bf16; rows past cols are 0.
+inline void pack_probabilities(const float* PT, int cols, int keys_pad, int np, uint16_t* PB) {
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512 zero = _mm512_setzero_ps();
+  for (int c = 0; c < keys_pad; c += 2)
+    for (int q = 0; q < np; q += 16) {
+      __m512 even = c < cols ? _mm512_loadu_ps(PT + int64_t(c) * np + q) : zero;
+      __m512 odd = c + 1 < cols ? _mm512_loadu_ps(PT + int64_t(c + 1) * np + q) : zero;
+      __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(even)),
+                                        (__m256i)_mm512_cvtneps_pbh(odd), 1);
+      _mm512_storeu_si512(PB + int64_t(c / 2) * np * 2 + q * 2, _mm512_permutexvar_epi16(interleave, both));
+    }
+}
+
+inline void scale_tile(float* ST, int cols, int np, float scale) {
+  Vec s = Vec::set1(scale);
+  for (int64_t e = 0; e < int64_t(cols) * np; e += W) (Vec::load(ST + e) * s).store(ST + e);
+}
+#endif
+
 void forward_item(void* ctx, int64_t item) {
   const ForwardPlan& plan = *static_cast<const ForwardPlan*>(ctx);
   const Problem& p = plan.f.p;
   const int split = int(item % plan.splits), rt = int(item / plan.splits);
   const int r = rt / plan.nq, t = rt % plan.nq, np = plan.np;
   Tile tl = make_tile(p, r, t, 0);
-  Buffer QT(int64_t(p.D) * np), ST(int64_t(p.block_k) * np), scratch(int64_t(p.block_k) * (p.D + p.Dv));
-  Buffer own(plan.splits > 1 ? 0 : int64_t(np) * (2 + p.Dv));
+  const int Dpad = round_up(p.D, 32), keys_max = round_up(p.block_k, 32);
+  Buffer QT(int64_t(plan.amx ? Dpad : p.D) * np), ST(int64_t(keys_max) * np);
+  Buffer scratch(int64_t(keys_max) * (Dpad + round_up(p.Dv, 32)) + int64_t(keys_max) * np);
+  Buffer own(plan.splits > 1 ? 0 : int64_t(np) * (2 + plan.dv_rows));
   float* m = plan.splits > 1 ? plan.partial + item * plan.partial_stride : own.p;
   float *l = m + np, *OT = l + np;
-  load_queries_transposed(p, tl, plan.G, np, QT.p);
-  fill(m, np, NEG_INF), fill(l, np, 0.f), fill(OT, int64_t(p.Dv) * np, 0.f);
+#if defined(QKV_AMX)
+  uint16_t* QB = reinterpret_cast<uint16_t*>(QT.p);
+  uint16_t* Kbuf = reinterpret_cast<uint16_t*>(scratch.p);
+  uint16_t* VT = Kbuf + int64_t(keys_max) * Dpad;
+  uint16_t* PB = VT + int64_t(round_up(p.Dv, 32)) * keys_max;
+  if (plan.amx) amx_configure(), pack_queries(p, tl, plan.G, Dpad, np, QB);
+  else
+#endif
+    load_queries_transposed(p, tl, plan.G, np, QT.p);
+  fill(m, np, NEG_INF), fill(l, np, 0.f), fill(OT, int64_t(plan.dv_rows) * np, 0.f);
   const int j_end = imin(plan.nk, (split + 1) * plan.tiles_per_split);
   int64_t computed = 0, masked = 0;
   for (int j = split * plan.tiles_per_split; j < j_end; ++j) {
@@ -288,6 +409,21 @@ void forward_item(void* ctx, int64_t item) {
     if (cls == qkv::EMPTY) continue;
     computed += 1, masked += cls == qkv::PARTIAL;
     Tile tj = make_tile(p, r, t, j);
+#if defined(QKV_AMX)
+    if (plan.amx) {
+      const int keys_pad = round_up(tj.cols, 32);
+      int64_t ldk;
+      const uint16_t* K = key_tile(p, tj, Dpad, keys_pad, Kbuf, &ldk);
+      amx_matmul(keys_pad, np, Dpad, K, ldk, QB, ST.p, np, false);  // Sᵀ = K·Qᵀ (keys x queries)
+      scale_tile(ST.p, tj.cols, np, p.scale);
+      apply_rule(tj, ST.p, 1, np);
+      online_softmax_columns(tj.cols, np, p.Dv, ST.p, m, l, OT);
+      pack_values_transposed(p, tj, plan.dv_rows, keys_pad, VT);
+      pack_probabilities(ST.p, tj.cols, keys_pad, np, PB);
+      amx_matmul(plan.dv_rows, np, keys_pad, VT, keys_pad, PB, OT, np, true);  // Oᵀ += Vᵀ·Pᵀ
+      continue;
+    }
+#endif
     Operand K = key_rows(p.k, p.dtype, tl.b, tl.kv, tj.k0, tj.cols, p.D, scratch.p);
     Operand V = key_rows(p.v, p.dtype, tl.b, tl.kv, tj.k0, tj.cols, p.Dv, scratch.p + int64_t(p.block_k) * p.D);
     gemm(tj.cols, np, p.D, K, QT.p, np, ST.p, np, false);  // Sᵀ = K·Qᵀ (keys x queries)
@@ -295,6 +431,9 @@ void forward_item(void* ctx, int64_t item) {
     online_softmax_columns(tj.cols, np, p.Dv, ST.p, m, l, OT);
     gemm(p.Dv, np, tj.cols, transposed(V), ST.p, np, OT, np, true);  // Oᵀ += Vᵀ·Pᵀ
   }
+#if defined(QKV_AMX)
+  if (plan.amx) _tile_release();
+#endif
   if (plan.splits == 1) store_output(plan.f, tl, np, m, l, OT);
   if (plan.f.tile_counts) {  // a builtin, not std::atomic: no shared inline templates here
     __atomic_fetch_add(&plan.f.tile_counts[0], computed, __ATOMIC_RELAXED);
@@ -308,9 +447,9 @@ void merge_item(void* ctx, int64_t rt) {
   const Problem& p = plan.f.p;
   Tile tl = make_tile(p, int(rt / plan.nq), int(rt % plan.nq), 0);
   const int np = plan.np;
-  Buffer merged(int64_t(np) * (2 + p.Dv));
+  Buffer merged(int64_t(np) * (2 + plan.dv_rows));
   float *m = merged.p, *l = m + np, *OT = l + np;
-  fill(m, np, NEG_INF), fill(l, np, 0.f), fill(OT, int64_t(p.Dv) * np, 0.f);
+  fill(m, np, NEG_INF), fill(l, np, 0.f), fill(OT, int64_t(plan.dv_rows) * np, 0.f);
   for (int s = 0; s < plan.splits; ++s) {
     const float* part = plan.partial + (rt * plan.splits + s) * plan.partial_stride;
     for (int rr = 0; rr < tl.n(); ++rr) {
@@ -333,7 +472,14 @@ void forward(const Forward& f) {
   const Problem& p = f.p;
   if (p.B == 0 || p.Hkv == 0 || p.Lq == 0) return;  // nothing to write
   const int G = p.Hq / p.Hkv;
-  ForwardPlan plan{f, G, cdiv(p.Lq, p.block_q), cdiv(p.Lk, p.block_k), 1, 0, round_up(G * p.block_q, W), nullptr, 0};
+#if defined(QKV_AMX)
+  const bool amx = p.dtype == qkv::BF16;
+#else
+  const bool amx = false;
+#endif
+  ForwardPlan plan{f, G, cdiv(p.Lq, p.block_q), cdiv(p.Lk, p.block_k), 1, 0,
+                   round_up(G * imin(p.block_q, p.Lq), amx ? 32 : W), amx ? round_up(p.Dv, 32) : p.Dv, amx,
+                   nullptr, 0};
   plan.tiles_per_split = plan.nk;
   const int64_t items = int64_t(p.B) * p.Hkv * plan.nq;
   // Few (row, query tile) items and many keys (decoding): split the keys too, so every
@@ -347,7 +493,7 @@ void forward(const Forward& f) {
     qkv::parallel_for(items, p.num_threads, forward_item, &plan);
     return;
   }
-  plan.partial_stride = int64_t(plan.np) * (2 + p.Dv);
+  plan.partial_stride = int64_t(plan.np) * (2 + plan.dv_rows);
   Buffer partial(items * plan.splits * plan.partial_stride);
   plan.partial = partial.p;
   qkv::parallel_for(items * plan.splits, p.num_threads, forward_item, &plan);

@@ -70,6 +70,7 @@ struct Backward {
   void forward(const Forward& f);           \
   void backward(const Backward& b);         \
   }
+QKV_DECLARE_ISA(isa_amx)
 QKV_DECLARE_ISA(isa_avx512)
 QKV_DECLARE_ISA(isa_avx2)
 QKV_DECLARE_ISA(isa_generic)

@@ -5,6 +5,9 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(QKV_AMX)
+#define QKV_AVX512 1
+#endif
 #if defined(QKV_AVX512) || defined(QKV_AVX2)
 #include <immintrin.h>
 #endif

@@ -55,9 +55,13 @@ def cast_like(values, x):
 
 
 def to_numpy(x) -> np.ndarray:
-    """A NumPy view or copy of x (torch tensors are detached and moved to the CPU)."""
+    """A NumPy view or copy of x (torch tensors are detached and moved to the CPU;
+    bfloat16, which NumPy lacks, becomes float32)."""
     if is_torch(x):
-        return x.detach().cpu().numpy()
+        import torch
+
+        x = x.detach().cpu()
+        return (x.float() if x.dtype == torch.bfloat16 else x).numpy()
     return np.asarray(x)
 
 

@@ -1,0 +1,160 @@
+"""The native kernel: determinism, instruction-set variants, strides, NumPy input, fallback,
+and a randomized differential test against the float64 reference."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import qkv
+from helpers import assert_within_rule, to64
+from qkv import dispatch
+from qkv.backends.native import default_threads
+
+torch = pytest.importorskip("torch")
+native = dispatch.REGISTRY["native"]
+pytestmark = pytest.mark.skipif(native.missing() is not None, reason=f"native kernel: {native.missing()}")
+
+SHAPES = {  # (B, Hq, Hkv, Lq, Lk, D, Dv)
+    "square": (2, 4, 2, 200, 200, 64, 64),
+    "decode": (1, 8, 2, 1, 5000, 128, 128),  # few queries, many keys: the key-split path
+    "odd": (1, 3, 1, 77, 131, 40, 24),
+}
+
+
+def _inputs(shape, dtype=torch.float32, seed=0, grad=False):
+    B, Hq, Hkv, Lq, Lk, D, Dv = shape
+    g = torch.Generator().manual_seed(seed)
+    make = lambda *s: torch.randn(*s, generator=g).to(dtype).requires_grad_(grad)  # noqa: E731
+    return make(B, Hq, Lq, D), make(B, Hkv, Lk, D), make(B, Hkv, Lk, Dv)
+
+
+def _run(q, k, v, mask, threads):
+    native.num_threads = threads
+    try:
+        out, lse = qkv.attention(q, k, v, mask, backend="native", return_lse=True)
+        grads = ()
+        if q.requires_grad:
+            (out.float() * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+            grads = tuple(x.grad.clone() for x in (q, k, v))
+            for x in (q, k, v):
+                x.grad = None
+        return (out.detach(), lse.detach()) + grads
+    finally:
+        native.num_threads = default_threads()
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mask", [None, "causal", "mask_fn"])
+def test_bitwise_identical_across_threads_and_calls(shape, dtype, mask):
+    m = {None: None, "causal": qkv.causal(), "mask_fn": qkv.mask_fn(lambda b, h, i, j: (i + j) % 3 != 1)}[mask]
+    q, k, v = _inputs(SHAPES[shape], dtype, grad=shape != "decode")
+    one = _run(q, k, v, m, threads=1)
+    two = _run(q, k, v, m, threads=2)
+    again = _run(q, k, v, m, threads=2)
+    for a, b, c in zip(one, two, again):
+        assert torch.equal(a, b) and torch.equal(b, c)
+
+
+def test_numpy_arrays_and_strided_tensors(rng):
+    q, k, v = (rng.standard_normal((2, 3, n, 32)).astype(np.float32) for n in (50, 70, 70))
+    want = qkv.attention(q, k, v, qkv.causal(), backend="reference")
+    got = qkv.attention(q, k, v, qkv.causal(), backend="native")
+    assert isinstance(got, np.ndarray) and got.dtype == np.float32
+    assert_within_rule(got, qkv.attention(*(x.astype(np.float64) for x in (q, k, v)), qkv.causal(),
+                                          backend="reference"), want, "float32")
+    # (B, L, H, D) storage viewed as (B, H, L, D): strided, not copied
+    tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(x.transpose(0, 2, 1, 3))).transpose(1, 2) for x in (q, k, v))
+    assert not tq.is_contiguous()
+    np.testing.assert_array_equal(qkv.attention(tq, tk, tv, qkv.causal(), backend="native").numpy(), got)
+
+
+SCRIPT = """
+import numpy as np, qkv
+from qkv.backends import native
+rng = np.random.default_rng(0)
+q, k, v = (rng.standard_normal((1, 2, n, 48)).astype(np.float32) for n in (37, 300, 300))
+got = qkv.attention(q, k, v, qkv.window(20), backend="native")
+want = qkv.attention(*(x.astype(np.float64) for x in (q, k, v)), qkv.window(20), backend="reference")
+print(native._native.isa(), float(np.abs(got - want).max()))
+"""
+
+
+@pytest.mark.parametrize("isa", ["generic", "avx2"])
+def test_every_instruction_set_variant(isa):
+    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "QKV_ISA": isa})
+    assert result.returncode == 0, result.stderr
+    chosen, err = result.stdout.split()
+    assert chosen == isa
+    assert float(err) < 1e-5
+
+
+def test_qkv_works_and_says_why_without_the_native_module():
+    code = ("import sys; sys.modules['qkv._native'] = None\n"
+            "import numpy as np, qkv\nfrom qkv import cli\n"
+            "q = np.ones((1, 4, 8), np.float32)\n"
+            "print(qkv.explain(q, q, q).backend)\ncli.main(['info'])")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0] == "numpy"
+    assert "native     unavailable: the native kernel is not built or cannot load" in result.stdout
+
+
+@st.composite
+def problems(draw):
+    B, Hkv, G = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.sampled_from([1, 2, 3]))
+    Lq, Lk = draw(st.integers(0, 150)), draw(st.integers(0, 300))
+    D, Dv = draw(st.sampled_from([1, 5, 16, 33, 64, 96, 128, 256])), draw(st.sampled_from([1, 8, 17, 64, 130]))
+    dtype = draw(st.sampled_from(["float32", "bfloat16"]))
+    layout = draw(st.sampled_from(["contiguous", "transposed", "sliced"]))
+    mask = draw(st.sampled_from([None, "causal", "top_left", "window", "padding", "document", "mask_fn", "dense"]))
+    mod = draw(st.sampled_from([None, "alibi", "softcap", "bias"]))
+    return B, Hkv, G, Lq, Lk, D, Dv, dtype, layout, mask, mod, draw(st.integers(0, 2**31))
+
+
+def _strided(x, layout):
+    if layout == "transposed":  # stored (B, L, H, D)
+        return x.transpose(1, 2).contiguous().transpose(1, 2)
+    if layout == "sliced":  # every other element of a wider last dim
+        wide = torch.zeros(*x.shape[:-1], 2 * x.shape[-1], dtype=x.dtype)
+        wide[..., ::2] = x
+        return wide[..., ::2]
+    return x
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_randomized_differential(problem):
+    B, Hkv, G, Lq, Lk, D, Dv, dtype, layout, mask, mod, seed = problem
+    rng = np.random.default_rng(seed)
+    Hq = Hkv * G
+    arrays64 = [rng.standard_normal(s) for s in ((B, Hq, Lq, D), (B, Hkv, Lk, D), (B, Hkv, Lk, Dv))]
+    tensors = [_strided(torch.tensor(a).to(getattr(torch, dtype)), layout) for a in arrays64]
+    arrays64 = [to64(t) for t in tensors]  # the values the kernel sees
+    masks = {None: None, "causal": qkv.causal(), "top_left": qkv.causal(align="top_left"),
+             "window": qkv.window(int(rng.integers(0, 20)), int(rng.integers(0, 5))),
+             "padding": qkv.padding(rng.integers(0, Lk + 1, B), q_lengths=rng.integers(0, Lq + 1, B)),
+             "document": qkv.document(np.sort(rng.integers(0, 3, (B, Lq))), np.sort(rng.integers(0, 3, (B, Lk)))),
+             "mask_fn": qkv.mask_fn(lambda b, h, i, j: (i * 7 + j * 3 + h) % 5 != 0),
+             "dense": qkv.dense_mask(rng.random((B, 1, Lq, Lk)) < 0.6)}
+    kwargs = {"mask": masks[mask]}
+    if mod == "alibi":
+        kwargs["score_mod"] = qkv.alibi(rng.random(Hq))
+    elif mod == "softcap":
+        kwargs["score_mod"] = qkv.softcap(float(rng.uniform(0.5, 5)))
+    elif mod == "bias" and mask is None:
+        bias = rng.standard_normal((1, Hq, Lq, Lk))
+        kwargs["mask"] = torch.tensor(bias).to(getattr(torch, dtype))
+    got, lse = qkv.attention(*tensors, backend="native", return_lse=True, **kwargs)
+    kw64 = dict(kwargs)
+    if torch.is_tensor(kwargs["mask"]):
+        kw64["mask"] = to64(kwargs["mask"])
+    want, want_lse = qkv.attention(*arrays64, backend="reference", return_lse=True, **kw64)
+    ref, ref_lse = qkv.attention(*tensors, backend="reference", return_lse=True, **kwargs)
+    assert_within_rule(got, want, ref, dtype)
+    assert_within_rule(lse, want_lse, ref_lse, "float32", "lse")
