@@ -84,7 +84,7 @@ print(native._native.isa(), float(np.abs(got - want).max()))
 """
 
 
-@pytest.mark.parametrize("isa", ["generic", "avx2"])
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
 def test_every_instruction_set_variant(isa):
     result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120,
                             env={**os.environ, "QKV_ISA": isa})

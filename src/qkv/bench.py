@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from . import attention, causal, dispatch
+from ._memory import peak_growth
 
 
 @dataclass
@@ -150,34 +151,9 @@ def _flex_impl(w):
 
 
 # ---- measuring --------------------------------------------------------------------------------
-def _rss_peak_reset() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets the peak resident set (VmHWM)
-        return True
-    except OSError:
-        return False
-
-
-def _status_kib(field_name: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field_name):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def _peak_mib(call) -> float | None:
-    """Peak resident memory one call adds, in MiB (None where Linux's counters are missing)."""
-    if not _rss_peak_reset():
-        return None
-    before = _status_kib("VmRSS:")
-    call()
-    peak = _status_kib("VmHWM:")
-    return None if before is None or peak is None else max(0.0, (peak - before) / 1024)
+def _peak_mib(call) -> float:
+    """Peak memory one call adds, in MiB."""
+    return peak_growth(call)[1] / 2**20
 
 
 def measure_workload(w: Workload, repeats: int, peers: bool, progress=None) -> list[Result]:
