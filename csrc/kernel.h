@@ -113,7 +113,18 @@ inline void gemm_columns(int M, int K, Operand A, const float* B, int ldb, float
   int i = 0;
   for (; i + MR <= M; i += MR)
     micro<MR, NV>(K, {A.p + i * A.rs, A.rs, A.cs}, B, ldb, C + int64_t(i) * ldc, ldc, add);
-  for (; i < M; ++i) micro<1, NV>(K, {A.p + i * A.rs, A.rs, A.cs}, B, ldb, C + int64_t(i) * ldc, ldc, add);
+  const Operand rest{A.p + i * A.rs, A.rs, A.cs};
+  float* c = C + int64_t(i) * ldc;
+  switch (M - i) {  // the last rows in one block too, so B is loaded once per k for them
+    case 7: micro<7, NV>(K, rest, B, ldb, c, ldc, add); break;
+    case 6: micro<6, NV>(K, rest, B, ldb, c, ldc, add); break;
+    case 5: micro<5, NV>(K, rest, B, ldb, c, ldc, add); break;
+    case 4: micro<4, NV>(K, rest, B, ldb, c, ldc, add); break;
+    case 3: micro<3, NV>(K, rest, B, ldb, c, ldc, add); break;
+    case 2: micro<2, NV>(K, rest, B, ldb, c, ldc, add); break;
+    case 1: micro<1, NV>(K, rest, B, ldb, c, ldc, add); break;
+    default: break;
+  }
 }
 
 inline void gemm(int M, int N, int K, Operand A, const float* B, int ldb, float* C, int ldc, bool add) {
@@ -195,11 +206,18 @@ inline void apply_rule(const Tile& tl, float* S, int64_t rs, int64_t cs) {
 // Scores are kept transposed, Sᵀ (keys x queries): the K tile is read in place as the left
 // operand, every vector holds W queries, and the online softmax runs down columns with no
 // horizontal reductions; the output accumulates transposed too, Oᵀ (Dv x queries).
+#if defined(QKV_AMX)
+struct PackedValues;
+#endif
+
 struct ForwardPlan {
   const Forward& f;
   int G, nq, nk, splits, tiles_per_split, np;  // np: queries of a tile, padded to W (32 with AMX)
   int dv_rows;     // rows of Oᵀ: Dv, padded to 32 with AMX
   bool amx;        // bfloat16 through AMX tiles
+#if defined(QKV_AMX)
+  const PackedValues* values = nullptr;
+#endif
   float* partial;  // splits > 1: per (row, q tile, split): m, l (np each) and Oᵀ (Dv x np)
   int64_t partial_stride;
 };
@@ -350,13 +368,26 @@ inline const uint16_t* key_tile(const Problem& p, const Tile& tj, int Dpad, int 
   return scratch;
 }
 
-// Vᵀ of a key tile: (Dv_pad x keys_pad) bf16, zero padded.
-inline void pack_values_transposed(const Problem& p, const Tile& tj, int dv_pad, int keys_pad, uint16_t* VT) {
-  memset(VT, 0, size_t(dv_pad) * keys_pad * 2);
+// Vᵀ of every row, packed once before the main pass: (rows, Dv_pad, Lk_pad) bf16, zero padded.
+struct PackedValues {
+  const Problem& p;
+  int dv_pad, lk_pad;
+  uint16_t* data;
+  const uint16_t* tile(int r, int k0) const { return data + int64_t(r) * dv_pad * lk_pad + k0; }
+};
+
+void pack_values_item(void* ctx, int64_t rj) {  // one (row, key tile)
+  const PackedValues& pv = *static_cast<const PackedValues*>(ctx);
+  const Problem& p = pv.p;
+  const int nk = cdiv(p.Lk, p.block_k), r = int(rj / nk), j = int(rj % nk);
+  const int k0 = j * p.block_k, k1 = imin(p.Lk, k0 + p.block_k), k_end = imin(pv.lk_pad, k0 + round_up(p.block_k, 32));
   const Strided4& v = p.v;
-  const int64_t base = tj.b * v.s0 + int64_t(tj.kv) * v.s1 + int64_t(tj.k0) * v.s2;
-  for (int c = 0; c < tj.cols; ++c)
-    for (int d = 0; d < p.Dv; ++d) VT[int64_t(d) * keys_pad + c] = bits(v, base + c * v.s2 + d * v.s3);
+  const int64_t base = int64_t(r / p.Hkv) * v.s0 + int64_t(r % p.Hkv) * v.s1;
+  uint16_t* out = pv.data + int64_t(r) * pv.dv_pad * pv.lk_pad;
+  for (int d = 0; d < pv.dv_pad; ++d) {
+    uint16_t* row = out + int64_t(d) * pv.lk_pad;
+    for (int c = k0; c < k_end; ++c) row[c] = (d < p.Dv && c < k1) ? bits(v, base + c * v.s2 + d * v.s3) : 0;
+  }
 }
 
 // Pᵀ (cols x np float32) as VNNI pairs of keys: (keys_pad/2) x np x 2 bf16; rows past cols are 0.
@@ -395,8 +426,7 @@ void forward_item(void* ctx, int64_t item) {
 #if defined(QKV_AMX)
   uint16_t* QB = reinterpret_cast<uint16_t*>(QT.p);
   uint16_t* Kbuf = reinterpret_cast<uint16_t*>(scratch.p);
-  uint16_t* VT = Kbuf + int64_t(keys_max) * Dpad;
-  uint16_t* PB = VT + int64_t(round_up(p.Dv, 32)) * keys_max;
+  uint16_t* PB = Kbuf + int64_t(keys_max) * Dpad;
   if (plan.amx) amx_configure(), pack_queries(p, tl, plan.G, Dpad, np, QB);
   else
 #endif
@@ -418,9 +448,9 @@ void forward_item(void* ctx, int64_t item) {
       scale_tile(ST.p, tj.cols, np, p.scale);
       apply_rule(tj, ST.p, 1, np);
       online_softmax_columns(tj.cols, np, p.Dv, ST.p, m, l, OT);
-      pack_values_transposed(p, tj, plan.dv_rows, keys_pad, VT);
       pack_probabilities(ST.p, tj.cols, keys_pad, np, PB);
-      amx_matmul(plan.dv_rows, np, keys_pad, VT, keys_pad, PB, OT, np, true);  // Oᵀ += Vᵀ·Pᵀ
+      amx_matmul(plan.dv_rows, np, keys_pad, plan.values->tile(r, tj.k0), plan.values->lk_pad, PB, OT, np,
+                 true);  // Oᵀ += Vᵀ·Pᵀ
       continue;
     }
 #endif
@@ -489,6 +519,16 @@ void forward(const Forward& f) {
     plan.tiles_per_split = cdiv(plan.nk, plan.splits);
     plan.splits = cdiv(plan.nk, plan.tiles_per_split);
   }
+#if defined(QKV_AMX)
+  const int64_t rows = int64_t(p.B) * p.Hkv;
+  PackedValues values{p, plan.dv_rows, round_up(plan.nk * p.block_k, 32), nullptr};
+  Buffer packed(amx ? rows * values.dv_pad * values.lk_pad / 2 + 1 : 0);
+  if (amx) {
+    values.data = reinterpret_cast<uint16_t*>(packed.p);
+    qkv::parallel_for(rows * plan.nk, p.num_threads, pack_values_item, &values);
+    plan.values = &values;
+  }
+#endif
   if (plan.splits == 1) {
     qkv::parallel_for(items, p.num_threads, forward_item, &plan);
     return;
