@@ -541,48 +541,80 @@ void forward(const Forward& f) {
 }
 
 // ---- backward ------------------------------------------------------------------------------
+// One packing pass first (O(N) float32 copies, in the layouts the products want), so the
+// work items never gather inputs element by element more than once.
 namespace {
 
 struct BackwardPlan {
   const Backward& bw;
-  int G, nq, nk, Dp, Dvp, bkp;
+  int G, nq, nk, Dp, Dvp, bkp, n_max;
+  // per (row, query tile): Q·scale (n_max x Dp), dO (n_max x Dvp), lse and delta (n_max)
+  float *Q, *dO, *lse, *delta;
+  // per (row, key tile): Kᵀ (Dp x bkp), Vᵀ (Dvp x bkp), K (bkp x Dp)
+  float *Kt, *Vt, *K;
+  int64_t q_tile(int r, int t) const { return int64_t(r) * nq + t; }
+  int64_t k_tile(int r, int j) const { return int64_t(r) * nk + j; }
 };
 
-// Per query tile: Q (scaled), dO, lse and delta of its n stacked rows.
+// A query tile's packed rows.
 struct QueryTile {
-  Buffer Q, dO, lse, delta;
-  QueryTile(const BackwardPlan& plan, const Tile& tl)
-      : Q(int64_t(tl.n()) * plan.Dp), dO(int64_t(tl.n()) * plan.Dvp), lse(tl.n()), delta(tl.n()) {
-    const Problem& p = plan.bw.p;
-    for (int g = 0; g < plan.G; ++g) {
-      const int h = tl.kv * plan.G + g;
-      load_rows(p.q, p.dtype, tl.b, h, tl.q0, tl.rows, tl.rows, p.D, plan.Dp, p.scale, Q.p + int64_t(g) * tl.rows * plan.Dp);
-      load_rows(plan.bw.dout, p.dtype, tl.b, h, tl.q0, tl.rows, tl.rows, p.Dv, plan.Dvp, 1.f,
-                dO.p + int64_t(g) * tl.rows * plan.Dvp);
-      for (int i = 0; i < tl.rows; ++i) {
-        int64_t at = (int64_t(tl.b) * p.Hq + h) * p.Lq + tl.q0 + i;
-        float row_lse = plan.bw.lse[at];
-        lse.p[g * tl.rows + i] = row_lse == NEG_INF ? INFINITY : row_lse;  // empty rows: P = 0
-        delta.p[g * tl.rows + i] = plan.bw.delta[at];
-      }
-    }
+  const float *Q, *dO, *lse, *delta;
+  QueryTile(const BackwardPlan& plan, int r, int t) {
+    const int64_t at = plan.q_tile(r, t);
+    Q = plan.Q + at * plan.n_max * plan.Dp;
+    dO = plan.dO + at * plan.n_max * plan.Dvp;
+    lse = plan.lse + at * plan.n_max;
+    delta = plan.delta + at * plan.n_max;
   }
 };
+
+void pack_query_item(void* ctx, int64_t rt) {
+  const BackwardPlan& plan = *static_cast<const BackwardPlan*>(ctx);
+  const Problem& p = plan.bw.p;
+  const int r = int(rt / plan.nq), t = int(rt % plan.nq);
+  Tile tl = make_tile(p, r, t, 0);
+  QueryTile qt(plan, r, t);
+  float *Q = const_cast<float*>(qt.Q), *dO = const_cast<float*>(qt.dO);
+  float *lse = const_cast<float*>(qt.lse), *delta = const_cast<float*>(qt.delta);
+  for (int g = 0; g < plan.G; ++g) {
+    const int h = tl.kv * plan.G + g;
+    load_rows(p.q, p.dtype, tl.b, h, tl.q0, tl.rows, tl.rows, p.D, plan.Dp, p.scale, Q + int64_t(g) * tl.rows * plan.Dp);
+    load_rows(plan.bw.dout, p.dtype, tl.b, h, tl.q0, tl.rows, tl.rows, p.Dv, plan.Dvp, 1.f,
+              dO + int64_t(g) * tl.rows * plan.Dvp);
+    for (int i = 0; i < tl.rows; ++i) {
+      int64_t at = (int64_t(tl.b) * p.Hq + h) * p.Lq + tl.q0 + i;
+      float row_lse = plan.bw.lse[at];
+      lse[g * tl.rows + i] = row_lse == NEG_INF ? INFINITY : row_lse;  // empty rows: P = 0
+      delta[g * tl.rows + i] = plan.bw.delta[at];
+    }
+  }
+}
+
+void pack_key_item(void* ctx, int64_t rj) {
+  const BackwardPlan& plan = *static_cast<const BackwardPlan*>(ctx);
+  const Problem& p = plan.bw.p;
+  const int r = int(rj / plan.nk), j = int(rj % plan.nk);
+  Tile tk = make_tile(p, r, 0, j);
+  const int64_t at = plan.k_tile(r, j), bkp = plan.bkp;
+  load_transposed(p.k, p.dtype, tk.b, tk.kv, tk.k0, tk.cols, p.D, bkp, plan.Kt + at * plan.Dp * bkp);
+  load_transposed(p.v, p.dtype, tk.b, tk.kv, tk.k0, tk.cols, p.Dv, bkp, plan.Vt + at * plan.Dvp * bkp);
+  load_rows(p.k, p.dtype, tk.b, tk.kv, tk.k0, tk.cols, bkp, p.D, plan.Dp, 1.f, plan.K + at * bkp * plan.Dp);
+}
 
 // P = exp(S - lse) in S; dS = P ∘ (dP - delta) ∘ d(modifier) in dP. Kt/Vt are the tile's Kᵀ, Vᵀ.
 inline void probabilities_and_score_grads(const BackwardPlan& plan, const Tile& tj, const QueryTile& qt,
                                           const float* Kt, const float* Vt, float* S, float* dP) {
   const Problem& p = plan.bw.p;
   const int n = tj.n(), bkp = plan.bkp;
-  gemm(n, bkp, p.D, rows_of(qt.Q.p, plan.Dp), Kt, bkp, S, bkp, false);      // S = Q·Kᵀ
+  gemm(n, bkp, p.D, rows_of(qt.Q, plan.Dp), Kt, bkp, S, bkp, false);      // S = Q·Kᵀ
   apply_rule(tj, S, bkp, 1);
   for (int rr = 0; rr < n; ++rr) fill(S + int64_t(rr) * bkp + tj.cols, bkp - tj.cols, NEG_INF);  // padding keys
-  gemm(n, bkp, p.Dv, rows_of(qt.dO.p, plan.Dvp), Vt, bkp, dP, bkp, false);  // dP = dO·Vᵀ
+  gemm(n, bkp, p.Dv, rows_of(qt.dO, plan.Dvp), Vt, bkp, dP, bkp, false);  // dP = dO·Vᵀ
   const float cap = p.mods.softcap;
   for (int rr = 0; rr < n; ++rr) {
     float* s = S + int64_t(rr) * bkp;
     float* dp = dP + int64_t(rr) * bkp;
-    const float row_lse = qt.lse.p[rr], row_delta = qt.delta.p[rr];
+    const float row_lse = qt.lse[rr], row_delta = qt.delta[rr];
     if (cap > 0) {  // softcap: d(cap·tanh(x/cap))/dx = 1 - (modified / cap)²
       for (int c = 0; c < bkp; ++c) {
         float u = s[c] / cap, prob = c < tj.cols ? expf(s[c] - row_lse) : 0.f;
@@ -606,18 +638,17 @@ void dq_item(void* ctx, int64_t rt) {
   const int r = int(rt / plan.nq), t = int(rt % plan.nq);
   Tile tl = make_tile(p, r, t, 0);
   const int n = tl.n(), bkp = plan.bkp;
-  QueryTile qt(plan, tl);
-  Buffer Kt(int64_t(plan.Dp) * bkp), Vt(int64_t(plan.Dvp) * bkp), K(int64_t(bkp) * plan.Dp);
+  QueryTile qt(plan, r, t);
   Buffer S(int64_t(n) * bkp), dP(int64_t(n) * bkp), dQ(int64_t(n) * plan.Dp);
   fill(dQ.p, int64_t(n) * plan.Dp, 0.f);
   for (int j = 0; j < plan.nk; ++j) {
     if (tile_class(p, r, t, j) == qkv::EMPTY) continue;
     Tile tj = make_tile(p, r, t, j);
-    load_transposed(p.k, p.dtype, tl.b, tl.kv, tj.k0, tj.cols, p.D, bkp, Kt.p);
-    load_transposed(p.v, p.dtype, tl.b, tl.kv, tj.k0, tj.cols, p.Dv, bkp, Vt.p);
-    load_rows(p.k, p.dtype, tl.b, tl.kv, tj.k0, tj.cols, bkp, p.D, plan.Dp, 1.f, K.p);
-    probabilities_and_score_grads(plan, tj, qt, Kt.p, Vt.p, S.p, dP.p);
-    gemm(n, plan.Dp, tj.cols, rows_of(dP.p, bkp), K.p, plan.Dp, dQ.p, plan.Dp, true);  // dQ += dS·K
+    const int64_t at = plan.k_tile(r, j);
+    probabilities_and_score_grads(plan, tj, qt, plan.Kt + at * plan.Dp * bkp, plan.Vt + at * plan.Dvp * bkp, S.p,
+                                  dP.p);
+    gemm(n, plan.Dp, tj.cols, rows_of(dP.p, bkp), plan.K + at * bkp * plan.Dp, plan.Dp, dQ.p, plan.Dp,
+         true);  // dQ += dS·K
   }
   for (int rr = 0; rr < n; ++rr) {
     const int64_t at = (int64_t(tl.b) * p.Hq + tl.head(rr)) * p.Lq + tl.query(rr);
@@ -655,23 +686,22 @@ void dkdv_item(void* ctx, int64_t rj) {
   const Problem& p = plan.bw.p;
   const int r = int(rj / plan.nk), j = int(rj % plan.nk);
   Tile tk = make_tile(p, r, 0, j);
-  const int bkp = plan.bkp, n_max = plan.G * p.block_q;
-  Buffer Kt(int64_t(plan.Dp) * bkp), Vt(int64_t(plan.Dvp) * bkp);
+  const int bkp = plan.bkp, n_max = plan.n_max;
+  const int64_t at = plan.k_tile(r, j);
   Buffer S(int64_t(n_max) * bkp), dP(int64_t(n_max) * bkp), T(int64_t(bkp) * n_max);
   Buffer dK(int64_t(bkp) * plan.Dp), dV(int64_t(bkp) * plan.Dvp);
-  load_transposed(p.k, p.dtype, tk.b, tk.kv, tk.k0, tk.cols, p.D, bkp, Kt.p);
-  load_transposed(p.v, p.dtype, tk.b, tk.kv, tk.k0, tk.cols, p.Dv, bkp, Vt.p);
   fill(dK.p, int64_t(bkp) * plan.Dp, 0.f), fill(dV.p, int64_t(bkp) * plan.Dvp, 0.f);
   for (int t = 0; t < plan.nq; ++t) {
     if (tile_class(p, r, t, j) == qkv::EMPTY) continue;
     Tile tj = make_tile(p, r, t, j);
     const int n = tj.n();
-    QueryTile qt(plan, tj);
-    probabilities_and_score_grads(plan, tj, qt, Kt.p, Vt.p, S.p, dP.p);
+    QueryTile qt(plan, r, t);
+    probabilities_and_score_grads(plan, tj, qt, plan.Kt + at * plan.Dp * bkp, plan.Vt + at * plan.Dvp * bkp, S.p,
+                                  dP.p);
     transpose(n, tj.cols, S.p, bkp, T.p, n);
-    gemm(tj.cols, plan.Dvp, n, rows_of(T.p, n), qt.dO.p, plan.Dvp, dV.p, plan.Dvp, true);  // dV += Pᵀ·dO
+    gemm(tj.cols, plan.Dvp, n, rows_of(T.p, n), qt.dO, plan.Dvp, dV.p, plan.Dvp, true);  // dV += Pᵀ·dO
     transpose(n, tj.cols, dP.p, bkp, T.p, n);
-    gemm(tj.cols, plan.Dp, n, rows_of(T.p, n), qt.Q.p, plan.Dp, dK.p, plan.Dp, true);  // dK += dSᵀ·(scale·Q)
+    gemm(tj.cols, plan.Dp, n, rows_of(T.p, n), qt.Q, plan.Dp, dK.p, plan.Dp, true);  // dK += dSᵀ·(scale·Q)
   }
   const int64_t first = (int64_t(tk.b) * p.Hkv + tk.kv) * p.Lk + tk.k0;
   store_rows(p, plan.bw.dk, first, tk.cols, p.D, dK.p, plan.Dp);
@@ -683,11 +713,20 @@ void dkdv_item(void* ctx, int64_t rj) {
 void backward(const Backward& bw) {
   const Problem& p = bw.p;
   if (p.B == 0 || p.Hkv == 0) return;  // no gradient elements
-  BackwardPlan plan{bw, p.Hq / p.Hkv, cdiv(p.Lq, p.block_q), cdiv(p.Lk, p.block_k),
-                    round_up(p.D, W), round_up(p.Dv, W), round_up(p.block_k, W)};
-  const int64_t rows = int64_t(p.B) * p.Hkv;
-  qkv::parallel_for(rows * plan.nq, p.num_threads, dq_item, &plan);
-  qkv::parallel_for(rows * plan.nk, p.num_threads, dkdv_item, &plan);
+  const int G = p.Hq / p.Hkv;
+  BackwardPlan plan{bw, G, cdiv(p.Lq, p.block_q), cdiv(p.Lk, p.block_k), round_up(p.D, W), round_up(p.Dv, W),
+                    round_up(p.block_k, W), G * p.block_q};
+  const int64_t rows = int64_t(p.B) * p.Hkv, q_tiles = rows * plan.nq, k_tiles = rows * plan.nk;
+  Buffer q_side(q_tiles * plan.n_max * (plan.Dp + plan.Dvp + 2));
+  Buffer k_side(k_tiles * plan.bkp * (2 * plan.Dp + plan.Dvp));
+  plan.Q = q_side.p, plan.dO = plan.Q + q_tiles * plan.n_max * plan.Dp;
+  plan.lse = plan.dO + q_tiles * plan.n_max * plan.Dvp, plan.delta = plan.lse + q_tiles * plan.n_max;
+  plan.Kt = k_side.p, plan.Vt = plan.Kt + k_tiles * plan.Dp * plan.bkp;
+  plan.K = plan.Vt + k_tiles * plan.Dvp * plan.bkp;
+  qkv::parallel_for(q_tiles, p.num_threads, pack_query_item, &plan);
+  qkv::parallel_for(k_tiles, p.num_threads, pack_key_item, &plan);
+  qkv::parallel_for(q_tiles, p.num_threads, dq_item, &plan);
+  qkv::parallel_for(k_tiles, p.num_threads, dkdv_item, &plan);
 }
 
 }  // namespace QKV_ISA_NS
