@@ -632,37 +632,6 @@ inline void probabilities_and_score_grads(const BackwardPlan& plan, const Tile& 
   }
 }
 
-void dq_item(void* ctx, int64_t rt) {
-  const BackwardPlan& plan = *static_cast<const BackwardPlan*>(ctx);
-  const Problem& p = plan.bw.p;
-  const int r = int(rt / plan.nq), t = int(rt % plan.nq);
-  Tile tl = make_tile(p, r, t, 0);
-  const int n = tl.n(), bkp = plan.bkp;
-  QueryTile qt(plan, r, t);
-  Buffer S(int64_t(n) * bkp), dP(int64_t(n) * bkp), dQ(int64_t(n) * plan.Dp);
-  fill(dQ.p, int64_t(n) * plan.Dp, 0.f);
-  for (int j = 0; j < plan.nk; ++j) {
-    if (tile_class(p, r, t, j) == qkv::EMPTY) continue;
-    Tile tj = make_tile(p, r, t, j);
-    const int64_t at = plan.k_tile(r, j);
-    probabilities_and_score_grads(plan, tj, qt, plan.Kt + at * plan.Dp * bkp, plan.Vt + at * plan.Dvp * bkp, S.p,
-                                  dP.p);
-    gemm(n, plan.Dp, tj.cols, rows_of(dP.p, bkp), plan.K + at * bkp * plan.Dp, plan.Dp, dQ.p, plan.Dp,
-         true);  // dQ += dS·K
-  }
-  for (int rr = 0; rr < n; ++rr) {
-    const int64_t at = (int64_t(tl.b) * p.Hq + tl.head(rr)) * p.Lq + tl.query(rr);
-    const float* src = dQ.p + int64_t(rr) * plan.Dp;
-    if (p.dtype == qkv::F32) {
-      float* dst = static_cast<float*>(plan.bw.dq) + at * p.D;
-      for (int d = 0; d < p.D; ++d) dst[d] = src[d] * p.scale;
-    } else {
-      uint16_t* dst = static_cast<uint16_t*>(plan.bw.dq) + at * p.D;
-      for (int d = 0; d < p.D; ++d) dst[d] = f32_to_bf16(src[d] * p.scale);
-    }
-  }
-}
-
 inline void transpose(int rows, int cols, const float* src, int ld_src, float* dst, int ld_dst) {
   for (int i = 0; i < rows; ++i)
     for (int c = 0; c < cols; ++c) dst[int64_t(c) * ld_dst + i] = src[int64_t(i) * ld_src + c];
@@ -681,31 +650,97 @@ inline void store_rows(const Problem& p, void* base, int64_t first_row, int coun
   }
 }
 
+// Scratch of one thread for one (query tile, key tile) pair.
+struct PairScratch {
+  Buffer S, dP, T;
+  explicit PairScratch(const BackwardPlan& plan)
+      : S(int64_t(plan.n_max) * plan.bkp), dP(int64_t(plan.n_max) * plan.bkp), T(int64_t(plan.bkp) * plan.n_max) {}
+};
+
+// The gradients one (query tile t, key tile j) pair of row r contributes: dQ_t += dS·K and,
+// where given, dK_j += dSᵀ·(scale·Q), dV_j += Pᵀ·dO.
+inline void accumulate_pair(const BackwardPlan& plan, int r, int t, int j, PairScratch& w, float* dQ, float* dK,
+                            float* dV) {
+  const Problem& p = plan.bw.p;
+  Tile tj = make_tile(p, r, t, j);
+  const int n = tj.n(), bkp = plan.bkp;
+  const int64_t at = plan.k_tile(r, j);
+  QueryTile qt(plan, r, t);
+  probabilities_and_score_grads(plan, tj, qt, plan.Kt + at * plan.Dp * bkp, plan.Vt + at * plan.Dvp * bkp, w.S.p,
+                                w.dP.p);
+  if (dQ) gemm(n, plan.Dp, tj.cols, rows_of(w.dP.p, bkp), plan.K + at * bkp * plan.Dp, plan.Dp, dQ, plan.Dp, true);
+  if (dV) {
+    transpose(n, tj.cols, w.S.p, bkp, w.T.p, n);
+    gemm(tj.cols, plan.Dvp, n, rows_of(w.T.p, n), qt.dO, plan.Dvp, dV, plan.Dvp, true);  // dV += Pᵀ·dO
+  }
+  if (dK) {
+    transpose(n, tj.cols, w.dP.p, bkp, w.T.p, n);
+    gemm(tj.cols, plan.Dp, n, rows_of(w.T.p, n), qt.Q, plan.Dp, dK, plan.Dp, true);  // dK += dSᵀ·(scale·Q)
+  }
+}
+
+inline void store_dq(const BackwardPlan& plan, int r, int t, const float* dQ) {
+  const Problem& p = plan.bw.p;
+  Tile tl = make_tile(p, r, t, 0);
+  for (int rr = 0; rr < tl.n(); ++rr) {
+    const int64_t at = (int64_t(tl.b) * p.Hq + tl.head(rr)) * p.Lq + tl.query(rr);
+    const float* src = dQ + int64_t(rr) * plan.Dp;
+    if (p.dtype == qkv::F32) {
+      float* dst = static_cast<float*>(plan.bw.dq) + at * p.D;
+      for (int d = 0; d < p.D; ++d) dst[d] = src[d] * p.scale;
+    } else {
+      uint16_t* dst = static_cast<uint16_t*>(plan.bw.dq) + at * p.D;
+      for (int d = 0; d < p.D; ++d) dst[d] = f32_to_bf16(src[d] * p.scale);
+    }
+  }
+}
+
+inline void store_dkdv(const BackwardPlan& plan, int r, int j, const float* dK, const float* dV) {
+  const Problem& p = plan.bw.p;
+  Tile tk = make_tile(p, r, 0, j);
+  const int64_t first = (int64_t(tk.b) * p.Hkv + tk.kv) * p.Lk + tk.k0;
+  store_rows(p, plan.bw.dk, first, tk.cols, p.D, dK, plan.Dp);
+  store_rows(p, plan.bw.dv, first, tk.cols, p.Dv, dV, plan.Dvp);
+}
+
+// Two passes, for few rows: every (row, query tile) sums its dQ, every (row, key tile) its dK, dV.
+void dq_item(void* ctx, int64_t rt) {
+  const BackwardPlan& plan = *static_cast<const BackwardPlan*>(ctx);
+  const int r = int(rt / plan.nq), t = int(rt % plan.nq);
+  PairScratch w(plan);
+  Buffer dQ(int64_t(plan.n_max) * plan.Dp);
+  fill(dQ.p, int64_t(plan.n_max) * plan.Dp, 0.f);
+  for (int j = 0; j < plan.nk; ++j)
+    if (tile_class(plan.bw.p, r, t, j) != qkv::EMPTY) accumulate_pair(plan, r, t, j, w, dQ.p, nullptr, nullptr);
+  store_dq(plan, r, t, dQ.p);
+}
+
 void dkdv_item(void* ctx, int64_t rj) {
   const BackwardPlan& plan = *static_cast<const BackwardPlan*>(ctx);
-  const Problem& p = plan.bw.p;
   const int r = int(rj / plan.nk), j = int(rj % plan.nk);
-  Tile tk = make_tile(p, r, 0, j);
-  const int bkp = plan.bkp, n_max = plan.n_max;
-  const int64_t at = plan.k_tile(r, j);
-  Buffer S(int64_t(n_max) * bkp), dP(int64_t(n_max) * bkp), T(int64_t(bkp) * n_max);
-  Buffer dK(int64_t(bkp) * plan.Dp), dV(int64_t(bkp) * plan.Dvp);
-  fill(dK.p, int64_t(bkp) * plan.Dp, 0.f), fill(dV.p, int64_t(bkp) * plan.Dvp, 0.f);
-  for (int t = 0; t < plan.nq; ++t) {
-    if (tile_class(p, r, t, j) == qkv::EMPTY) continue;
-    Tile tj = make_tile(p, r, t, j);
-    const int n = tj.n();
-    QueryTile qt(plan, r, t);
-    probabilities_and_score_grads(plan, tj, qt, plan.Kt + at * plan.Dp * bkp, plan.Vt + at * plan.Dvp * bkp, S.p,
-                                  dP.p);
-    transpose(n, tj.cols, S.p, bkp, T.p, n);
-    gemm(tj.cols, plan.Dvp, n, rows_of(T.p, n), qt.dO, plan.Dvp, dV.p, plan.Dvp, true);  // dV += Pᵀ·dO
-    transpose(n, tj.cols, dP.p, bkp, T.p, n);
-    gemm(tj.cols, plan.Dp, n, rows_of(T.p, n), qt.Q, plan.Dp, dK.p, plan.Dp, true);  // dK += dSᵀ·(scale·Q)
+  PairScratch w(plan);
+  Buffer dK(int64_t(plan.bkp) * plan.Dp), dV(int64_t(plan.bkp) * plan.Dvp);
+  fill(dK.p, int64_t(plan.bkp) * plan.Dp, 0.f), fill(dV.p, int64_t(plan.bkp) * plan.Dvp, 0.f);
+  for (int t = 0; t < plan.nq; ++t)
+    if (tile_class(plan.bw.p, r, t, j) != qkv::EMPTY) accumulate_pair(plan, r, t, j, w, nullptr, dK.p, dV.p);
+  store_dkdv(plan, r, j, dK.p, dV.p);
+}
+
+// One pass, for many rows: a row's thread computes each pair once and adds to all three.
+void row_item(void* ctx, int64_t r64) {
+  const BackwardPlan& plan = *static_cast<const BackwardPlan*>(ctx);
+  const int r = int(r64);
+  PairScratch w(plan);
+  const int64_t dq_tile = int64_t(plan.n_max) * plan.Dp;
+  Buffer dQ(plan.nq * dq_tile), dK(int64_t(plan.bkp) * plan.Dp), dV(int64_t(plan.bkp) * plan.Dvp);
+  fill(dQ.p, plan.nq * dq_tile, 0.f);
+  for (int j = 0; j < plan.nk; ++j) {
+    fill(dK.p, int64_t(plan.bkp) * plan.Dp, 0.f), fill(dV.p, int64_t(plan.bkp) * plan.Dvp, 0.f);
+    for (int t = 0; t < plan.nq; ++t)
+      if (tile_class(plan.bw.p, r, t, j) != qkv::EMPTY) accumulate_pair(plan, r, t, j, w, dQ.p + t * dq_tile, dK.p, dV.p);
+    store_dkdv(plan, r, j, dK.p, dV.p);
   }
-  const int64_t first = (int64_t(tk.b) * p.Hkv + tk.kv) * p.Lk + tk.k0;
-  store_rows(p, plan.bw.dk, first, tk.cols, p.D, dK.p, plan.Dp);
-  store_rows(p, plan.bw.dv, first, tk.cols, p.Dv, dV.p, plan.Dvp);
+  for (int t = 0; t < plan.nq; ++t) store_dq(plan, r, t, dQ.p + t * dq_tile);
 }
 
 }  // namespace
@@ -725,8 +760,12 @@ void backward(const Backward& bw) {
   plan.K = plan.Vt + k_tiles * plan.Dvp * plan.bkp;
   qkv::parallel_for(q_tiles, p.num_threads, pack_query_item, &plan);
   qkv::parallel_for(k_tiles, p.num_threads, pack_key_item, &plan);
-  qkv::parallel_for(q_tiles, p.num_threads, dq_item, &plan);
-  qkv::parallel_for(k_tiles, p.num_threads, dkdv_item, &plan);
+  if (rows >= 4) {  // enough rows to share out: each pair once (a shape rule, so threads never change results)
+    qkv::parallel_for(rows, p.num_threads, row_item, &plan);
+  } else {
+    qkv::parallel_for(q_tiles, p.num_threads, dq_item, &plan);
+    qkv::parallel_for(k_tiles, p.num_threads, dkdv_item, &plan);
+  }
 }
 
 }  // namespace QKV_ISA_NS
