@@ -3,10 +3,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from helpers import BACKENDS  # noqa: E402
+
+# Property tests: the same examples on every run (CI must not flip), no deadline (2 slow cores);
+# `backend` is a plain name, safe to share between examples.
+settings.register_profile("qkv", max_examples=25, deadline=None, derandomize=True,
+                          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+settings.load_profile("qkv")
 
 
 @pytest.fixture(params=BACKENDS)

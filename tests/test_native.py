@@ -6,7 +6,7 @@ import sys
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import qkv
@@ -127,7 +127,7 @@ def _strided(x, layout):
     return x
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60)
 @given(problems())
 def test_randomized_differential(problem):
     B, Hkv, G, Lq, Lk, D, Dv, dtype, layout, mask, mod, seed = problem

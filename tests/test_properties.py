@@ -1,16 +1,13 @@
 """Properties that hold for any input (hypothesis), on every backend."""
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import qkv
 from helpers import REORDER_ATOL, convert, kind_of_backend, precise_dtype, to64
 
 sizes = st.integers(1, 40)
-settings.register_profile("qkv", max_examples=25, deadline=None,
-                          suppress_health_check=[HealthCheck.function_scoped_fixture])  # backend is a name
-settings.load_profile("qkv")
 
 
 @st.composite

@@ -547,8 +547,8 @@ class Alibi(ScoreMod):
 
     def apply(self, s, b, h, qi, ki, geom):
         slope = _arrays.cast_like(_arrays.like(self.slopes, s)[h], s)  # (1, nh, 1, 1)
-        distance = qi + _offset("bottom_right", geom) - ki
-        return s - slope * abs(distance)
+        distance = _arrays.cast_like(abs(qi + _offset("bottom_right", geom) - ki), s)  # in s's dtype, no promotion
+        return s - slope * distance
 
     def __repr__(self):
         return f"alibi({len(self.slopes)} slopes)"
