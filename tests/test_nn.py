@@ -217,3 +217,11 @@ def test_torch_tensor_points_to_the_torch_module():
     torch = pytest.importorskip("torch")
     with pytest.raises(TypeError, match="qkv.torch.MultiHeadAttention"):
         MultiHeadAttention(16, 4)(torch.zeros(2, 5, 16))
+
+
+def test_public_names():
+    import qkv.nn
+    import qkv.torch
+
+    assert qkv.MultiHeadAttention is qkv.nn.MultiHeadAttention
+    assert qkv.torch.MultiHeadAttention.__module__ == "qkv.torch_nn"
