@@ -21,8 +21,8 @@ __all__ = [
 
 
 def __getattr__(name):
-    """`qkv.torch` and `qkv.demo` load on first use (torch is optional and slow to import)."""
-    if name in ("torch", "demo", "positional"):
+    """Submodules that need torch (or are rarely used) load on first use: qkv.torch, qkv.distributed, ..."""
+    if name in ("torch", "demo", "positional", "distributed"):
         import importlib
 
         return importlib.import_module(f".{name}", __name__)

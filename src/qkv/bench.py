@@ -253,9 +253,16 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-peers", action="store_true", help="skip torch flex_attention (slow to compile)")
     parser.add_argument("--json", metavar="PATH", help="write every result and the machine as JSON")
     parser.add_argument("--plot", metavar="PNG", help="plot throughput against sequence length (needs --sweep)")
+    parser.add_argument("--distributed", type=int, metavar="N",
+                        help="instead: ring attention over N local processes against one process (per-rank memory, "
+                             "bytes sent); see docs/distributed.md")
 
 
 def run(args) -> int:
+    if args.distributed:
+        from . import bench_distributed
+
+        return bench_distributed.main(["--world", str(args.distributed)]) or 0
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table

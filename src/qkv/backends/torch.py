@@ -236,6 +236,10 @@ class TorchBackend(Backend):
     def block_sizes(self, inp):
         return choose_blocks(inp.B * inp.Hkv, inp.group, inp.Lq, inp.Lk)
 
+    def run_backward(self, inp, q, k, v, out, lse, dout, dlse):
+        """(dq, dk, dv) from a saved forward (used by ring attention for its blocks)."""
+        return backward_tiled(inp, q, k, v, out, lse, dout, dlse)
+
     def forward(self, inp):
         global _function
         if _function is None:
