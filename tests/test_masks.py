@@ -172,3 +172,12 @@ def test_nan_in_unmasked_input_propagates(backend, rng):
     v[0, 0, 2, 0] = float("nan")
     out = np.asarray(qkv.attention(q, k, v, backend=backend).tolist())
     assert np.isnan(out[0, 0, :, 0]).all()
+
+
+def test_dense_mask_with_several_batch_dims(backend, rng):
+    """A mask (B1, B2, H, Lq, Lk) lines up with q's own leading dims on every backend."""
+    kind, dtype = kind_of_backend(backend), precise_dtype(backend)
+    arrays, arrays64 = random_qkv(rng, (2, 3, 2, 9, 8), (2, 3, 2, 11, 8), (2, 3, 2, 11, 8), kind, dtype)
+    from helpers import convert
+    allowed = rng.random((2, 3, 1, 9, 11)) < 0.5
+    check_backend(backend, arrays, arrays64, dtype, mask=convert(allowed.astype(float), kind, dtype) > 0.5)

@@ -59,13 +59,22 @@ def _draw_seed(kind: str) -> int:
     return int(np.random.randint(0, 2**62, dtype=np.int64))
 
 
-def attention_weights(q, k, mask=None, *, score_mod=None, scale=None):
+def attention_weights(q, k, mask=None, *, score_mod=None, scale=None, rows=None):
     """The attention weights softmax(q·kᵀ·scale + modifiers, masked), shape (..., Hq, Lq, Lk).
 
     Explicit O(Lq·Lk) memory: this is the matrix fused kernels never hold. Rows with no
     allowed key are all zeros. Torch inputs keep autograd.
+
+    rows: only these query rows, as ``w[..., rows, :]`` of the full matrix would give them
+    (an int drops the row axis; a slice or 1-D sequence of positions gives (..., Hq, n, Lk)),
+    in O(n·Lk) memory: the weights of chosen tokens of a long sequence.
+    For statistics of every row in O(N) memory, see ``qkv.attention_stats``.
     """
     inp = inputs.prepare(q, k, k, mask, score_mod=score_mod, scale=scale)
+    if rows is not None:
+        from .stats import weights_of_rows
+
+        return weights_of_rows(inp, rows)
     return _formula(inp)[2].reshape(inp.output_shape(inp.Lk))
 
 

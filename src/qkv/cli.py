@@ -1,4 +1,4 @@
-"""The qkv command: qkv demo | info | check."""
+"""The qkv command: qkv demo | info | check | bench | viz."""
 from __future__ import annotations
 
 import argparse
@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
             from qkv.bench import add_arguments
 
             add_arguments(command)
+    from qkv import viz
+
+    viz.add_parser(sub)  # qkv viz: pictures of attention weights
     return parser
 
 

@@ -98,16 +98,18 @@ class Mask:
         nq, nk = _cdiv(geom.Lq, block_q), _cdiv(geom.Lk, block_k)
         return np.full((1, 1, nq, nk), _MAYBE, dtype=np.int8)
 
-    def blocks(self, Lq: int, Lk: int, block_q: int, block_k: int, *, batch: int = 1, heads: int = 1) -> np.ndarray:
+    def blocks(self, Lq: int, Lk: int, block_q: int, block_k: int, *, batch=1, heads: int = 1) -> np.ndarray:
         """Classify each (block_q x block_k) tile as EMPTY (0), PARTIAL (1) or FULL (2).
 
+        `batch` is the number of batch rows or the caller's batch shape (a tuple, flattened).
         Returns an int8 array of shape (batch|1, heads|1, ceil(Lq/block_q), ceil(Lk/block_k));
         a dim is 1 when the mask does not depend on it. Exact: a tile is EMPTY only if no
         pair in it is allowed and FULL only if every pair is.
         """
         inputs.check_positive_int("block_q", block_q)
         inputs.check_positive_int("block_k", block_k)
-        geom = Geometry(batch, heads, Lq, Lk)
+        batch_shape = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+        geom = Geometry(math.prod(batch_shape), heads, Lq, Lk, batch_shape)
         self.check(geom)
         classes = self._classify(geom, block_q, block_k)
         if (classes == _MAYBE).any():

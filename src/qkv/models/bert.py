@@ -1,0 +1,152 @@
+"""A BERT encoder built on qkv's attention module, loading the weights of a BERT checkpoint.
+
+Shape legend:
+    B   sentences in a batch          L   tokens (the longest sentence; shorter ones padded)
+    E   hidden size (384 for MiniLM)   F   feed-forward size (4E)
+    H   attention heads                N   layers
+
+One layer (post-norm, as in BERT)::
+
+    a = LayerNorm(x + MultiHeadAttention(x, mask=padding(lengths)))   # (B, L, E)
+    y = LayerNorm(a + gelu(a @ W1 + b1) @ W2 + b2)                      # (B, L, E)
+
+The padding mask hides the padded keys from every query (padded query rows still
+attend, as in BERT; their outputs are never used). Inference only: no dropout.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..masks import padding
+from ..torch_nn import MultiHeadAttention
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    """The sizes of a BERT encoder (the keys of a checkpoint's config.json)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    hidden_act: str = "gelu"
+
+    @classmethod
+    def from_file(cls, path) -> "BertConfig":
+        """Read config.json; only BERT with absolute positions and exact GELU is supported."""
+        data = json.loads(Path(path).read_text())
+        if data.get("model_type", "bert") != "bert":
+            raise ValueError(f"{path}: expected a BERT config (model_type 'bert'), got {data.get('model_type')!r}")
+        if data.get("position_embedding_type", "absolute") != "absolute":
+            raise ValueError(f"{path}: only absolute position embeddings are supported, "
+                             f"got {data['position_embedding_type']!r}")
+        if data.get("hidden_act", "gelu") != "gelu":
+            raise ValueError(f"{path}: only hidden_act 'gelu' is supported, got {data['hidden_act']!r}")
+        return cls(**{name: data[name] for name in cls.__dataclass_fields__ if name in data})
+
+
+class Embeddings(nn.Module):
+    """Token + position + segment embeddings, then LayerNorm: ids (B, L) -> (B, L, E)."""
+
+    def __init__(self, cfg: BertConfig):
+        super().__init__()
+        self.word = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.position = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.token_type = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
+        self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+
+    def forward(self, ids, token_types=None):
+        positions = torch.arange(ids.shape[1], device=ids.device)  # (L,)
+        token_types = torch.zeros_like(ids) if token_types is None else token_types
+        return self.norm(self.word(ids) + self.position(positions) + self.token_type(token_types))  # (B, L, E)
+
+
+class Layer(nn.Module):
+    """One encoder layer: attention and feed-forward, each with a residual and LayerNorm."""
+
+    def __init__(self, cfg: BertConfig):
+        super().__init__()
+        E = cfg.hidden_size
+        self.attention = MultiHeadAttention(E, cfg.num_attention_heads, bias=True)
+        self.attention_norm = nn.LayerNorm(E, eps=cfg.layer_norm_eps)
+        self.up = nn.Linear(E, cfg.intermediate_size)
+        self.down = nn.Linear(cfg.intermediate_size, E)
+        self.output_norm = nn.LayerNorm(E, eps=cfg.layer_norm_eps)
+
+    def forward(self, x, mask, need_weights=False):
+        """x (B, L, E) -> (y (B, L, E), weights (B, H, L, L) or None)."""
+        attended, weights = self.attention(x, mask=mask, need_weights=need_weights)  # (B, L, E)
+        a = self.attention_norm(x + attended)
+        y = self.output_norm(a + self.down(nn.functional.gelu(self.up(a))))  # (B, L, E)
+        return y, weights
+
+
+class BertEncoder(nn.Module):
+    """Embeddings and N layers: token ids (B, L) and lengths (B,) -> hidden states (B, L, E)."""
+
+    def __init__(self, cfg: BertConfig):
+        super().__init__()
+        self.config = cfg
+        self.embeddings = Embeddings(cfg)
+        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_hidden_layers))
+
+    def forward(self, ids, lengths=None, need_weights=False):
+        """Returns (hidden (B, L, E), weights: a list of N (B, H, L, L) or None).
+
+        lengths: the real tokens of each row (the rest is padding); None = no padding.
+        """
+        mask = None if lengths is None else padding(np.asarray(lengths))
+        x = self.embeddings(ids)  # (B, L, E)
+        all_weights = []
+        for layer in self.layers:
+            x, weights = layer(x, mask, need_weights)
+            all_weights.append(weights)
+        return x, (all_weights if need_weights else None)
+
+    def load_checkpoint(self, state: dict) -> None:
+        """Load a BERT checkpoint's tensors (names as in BertModel's state_dict)."""
+        self.load_state_dict(_rename(state, len(self.layers)), strict=True)
+
+
+def _rename(state: dict, n_layers: int) -> dict:
+    """BertModel names -> this module's names. Linear weights (out, in) become x @ W matrices (in, out)."""
+    take = lambda name: torch.as_tensor(np.asarray(state[name]))  # noqa: E731
+    missing = [name for name in _expected_names(n_layers) if name not in state]
+    if missing:
+        raise ValueError(f"the checkpoint lacks {len(missing)} BERT tensors, e.g. {missing[:3]}")
+    out = {
+        "embeddings.word.weight": take("embeddings.word_embeddings.weight"),
+        "embeddings.position.weight": take("embeddings.position_embeddings.weight"),
+        "embeddings.token_type.weight": take("embeddings.token_type_embeddings.weight"),
+        "embeddings.norm.weight": take("embeddings.LayerNorm.weight"),
+        "embeddings.norm.bias": take("embeddings.LayerNorm.bias"),
+    }
+    for i in range(n_layers):
+        src, dst = f"encoder.layer.{i}.", f"layers.{i}."
+        for ours, theirs in (("q", "attention.self.query"), ("k", "attention.self.key"),
+                             ("v", "attention.self.value"), ("o", "attention.output.dense")):
+            out[f"{dst}attention.W_{ours}"] = take(src + theirs + ".weight").T.contiguous()  # (E, E), x @ W
+            out[f"{dst}attention.b_{ours}"] = take(src + theirs + ".bias")
+        for ours, theirs in (("attention_norm", "attention.output.LayerNorm"), ("up", "intermediate.dense"),
+                             ("down", "output.dense"), ("output_norm", "output.LayerNorm")):
+            out[f"{dst}{ours}.weight"] = take(src + theirs + ".weight")
+            out[f"{dst}{ours}.bias"] = take(src + theirs + ".bias")
+    return out
+
+
+def _expected_names(n_layers: int) -> list:
+    names = ["embeddings.word_embeddings.weight", "embeddings.position_embeddings.weight",
+             "embeddings.token_type_embeddings.weight", "embeddings.LayerNorm.weight"]
+    parts = ["attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
+             "attention.output.LayerNorm", "intermediate.dense", "output.dense", "output.LayerNorm"]
+    return names + [f"encoder.layer.{i}.{p}.weight" for i in range(n_layers) for p in parts]
