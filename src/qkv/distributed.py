@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _arrays, inputs
+from .backends.base import autograd_attention
 from .masks import Causal, Geometry, Padding
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -561,32 +562,6 @@ def _torch_block_grads(call: _Call, b: _Block, saved: _Saved, q_b, k_c, v_c):
     return dq, dk, dv
 
 
-def _autograd_function():
-    import torch
-
-    class RingAttention(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, q, k, v, call):
-            out, lse = _ring_forward(call, q, k, v)
-            ctx.save_for_backward(q, k, v, out, lse)
-            ctx.call = call
-            ctx.set_materialize_grads(False)
-            return out, lse
-
-        @staticmethod
-        @torch.autograd.function.once_differentiable
-        def backward(ctx, dout, dlse):
-            q, k, v, out, lse = ctx.saved_tensors
-            if dout is None:
-                dout = torch.zeros_like(out)
-            return (*_ring_backward(ctx.call, q, k, v, out, lse, dout, dlse), None)
-
-    return RingAttention
-
-
-_function = None
-
-
 # ======================================================================================
 # The public function
 # ======================================================================================
@@ -739,9 +714,6 @@ def _default_device(ring: _Ring):
 
 
 def _apply(call: _Call, q, k, v):
-    global _function
     if call.needs_grad:
-        if _function is None:
-            _function = _autograd_function()
-        return _function.apply(q, k, v, call)
+        return autograd_attention(_ring_forward, _ring_backward, q, k, v, call)
     return _ring_forward(call, q.detach(), k.detach(), v.detach())

@@ -74,6 +74,46 @@ class Backend:
         return f"<qkv backend {self.name}>"
 
 
+def autograd_attention(forward, backward, q, k, v, state):
+    """(out, lse) = forward(state, q, k, v) under torch autograd, with the gradients from
+    backward(state, q, k, v, out, lse, dout, dlse) -> (dq, dk, dv). dlse may be None.
+
+    One torch.autograd.Function serves every tiled implementation (torch, native, the ring).
+    """
+    return _attention_function().apply(q, k, v, (forward, backward, state))
+
+
+_function = None
+
+
+def _attention_function():
+    global _function
+    if _function is not None:
+        return _function
+    import torch
+
+    class Attention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, job):
+            run_forward, _, state = job
+            out, lse = run_forward(state, q, k, v)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.job = job
+            ctx.set_materialize_grads(False)
+            return out, lse
+
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, dout, dlse):
+            q, k, v, out, lse = ctx.saved_tensors
+            _, run_backward, state = ctx.job
+            dout = torch.zeros_like(out) if dout is None else dout
+            return (*run_backward(state, q, k, v, out, lse, dout, dlse), None)
+
+    _function = Attention
+    return _function
+
+
 def compute_dtype_name(dtype: str) -> str:
     """Low precision accumulates in float32; float64 stays float64."""
     return "float64" if dtype == "float64" else "float32"

@@ -16,7 +16,7 @@ import numpy as np
 from .. import _arrays
 from ..masks import PARTIAL, Alibi, Bias, IntervalMask, Softcap, tile_indices
 from . import base
-from .base import Backend, Capabilities, row_tile_classes, tile_workspace
+from .base import Backend, Capabilities, autograd_attention, row_tile_classes, tile_workspace
 
 try:
     from .. import _native
@@ -62,7 +62,7 @@ class NativeBackend(Backend):
 
     def forward(self, inp):
         if inp.needs_grad:
-            return _autograd_function().apply(inp.q, inp.k, inp.v, inp, self)
+            return autograd_attention(self.run_forward, self.run_backward, inp.q, inp.k, inp.v, inp)
         return self.run_forward(inp, inp.q, inp.k, inp.v)
 
     def run_forward(self, inp, q, k, v):
@@ -77,6 +77,7 @@ class NativeBackend(Backend):
     def run_backward(self, inp, q, k, v, out, lse, dout, dlse):
         import torch
 
+        dout = dout.contiguous()
         delta = (dout.float() * out.float()).sum(-1)  # (B, Hq, Lq) = rowsum(dO ∘ O)
         if dlse is not None:
             delta = delta - dlse.float()
@@ -166,32 +167,3 @@ def _partial_bitmaps(inp, classes):
         tiles = tiles.reshape(inp.B * inp.Hkv, nk, G, q1 - q0, BLOCK_K)
         bitmaps[index[:, t, :][rows_here], :, : q1 - q0, :] = tiles[rows_here]
     return index, bitmaps
-
-
-_function = None
-
-
-def _autograd_function():
-    global _function
-    if _function is not None:
-        return _function
-    import torch
-
-    class NativeAttention(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, q, k, v, inp, backend):
-            out, lse = backend.run_forward(inp, q, k, v)
-            ctx.save_for_backward(q, k, v, out, lse)
-            ctx.inp, ctx.backend = inp, backend
-            return out, lse
-
-        @staticmethod
-        @torch.autograd.function.once_differentiable
-        def backward(ctx, dout, dlse):
-            q, k, v, out, lse = ctx.saved_tensors
-            dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-            return (*ctx.backend.run_backward(ctx.inp, q, k, v, out, lse, dout, dlse), None, None)
-
-    _function = NativeAttention
-    return _function
-

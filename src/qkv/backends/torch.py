@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..masks import EMPTY
-from .base import Backend, Capabilities, cdiv, compute_dtype_name, row_tile_classes, tile_workspace
+from .base import (Backend, Capabilities, autograd_attention, cdiv, compute_dtype_name, row_tile_classes,
+                   tile_workspace)
 from .tiling import TileRule, partial_flags
 
 #: Score-tile elements (all rows together) the kernel aims for: big tiles mean fewer
@@ -196,31 +197,6 @@ def _modified_with_grad(rule, raw):
     return (lambda ds: torch.autograd.grad(modified, leaf, ds)[0]), modified.detach()
 
 
-def _attention_function():
-    import torch
-
-    class TiledAttention(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, q, k, v, inp):
-            out, lse = forward_tiled(inp, q, k, v)
-            ctx.save_for_backward(q, k, v, out, lse)
-            ctx.inp = inp
-            return out, lse
-
-        @staticmethod
-        @torch.autograd.function.once_differentiable
-        def backward(ctx, dout, dlse):
-            q, k, v, out, lse = ctx.saved_tensors
-            if dout is None:
-                dout = torch.zeros_like(out)
-            return (*backward_tiled(ctx.inp, q, k, v, out, lse, dout, dlse), None)
-
-    return TiledAttention
-
-
-_function = None
-
-
 class TorchBackend(Backend):
     name = "torch"
     caps = Capabilities(kinds=("torch",), devices=(), dtypes=("float64", "float32", "bfloat16", "float16"),
@@ -241,11 +217,8 @@ class TorchBackend(Backend):
         return backward_tiled(inp, q, k, v, out, lse, dout, dlse)
 
     def forward(self, inp):
-        global _function
-        if _function is None:
-            _function = _attention_function()
         if inp.needs_grad:
-            return _function.apply(inp.q, inp.k, inp.v, inp)
+            return autograd_attention(forward_tiled, backward_tiled, inp.q, inp.k, inp.v, inp)
         return forward_tiled(inp, inp.q, inp.k, inp.v)
 
     def workspace_bytes(self, inp):
