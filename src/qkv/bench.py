@@ -20,6 +20,7 @@ import numpy as np
 
 from . import attention, causal, dispatch
 from ._memory import peak_growth
+from ._threads import available_cpus
 
 
 @dataclass
@@ -221,7 +222,7 @@ def machine() -> dict:
         pass
     return {
         "cpu": cpu, "machine": platform.machine(),
-        "threads": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "threads": available_cpus(),
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__, "qkv": __version__,
         "native_isa": native._native.isa() if native._native else "not built",

@@ -7,6 +7,8 @@ import sys
 
 import numpy as np
 
+from qkv._threads import available_cpus
+
 
 def cmd_info(args) -> int:
     """Versions, the machine, and every backend with whether it can run here and why not."""
@@ -15,7 +17,7 @@ def cmd_info(args) -> int:
 
     print(f"qkv {qkv.__version__}  python {platform.python_version()}  numpy {np.__version__}  "
           f"torch {_torch_version()}")
-    print(f"machine: {_cpu_name()}, {platform.machine()}, {_cpu_count()} CPUs")
+    print(f"machine: {_cpu_name()}, {platform.machine()}, {available_cpus()} CPUs")
     print("backends (automatic choice in this order):")
     for name, backend in dispatch.REGISTRY.items():
         missing = backend.missing()
@@ -91,12 +93,6 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown CPU"
-
-
-def _cpu_count() -> int:
-    import os
-
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import operator
-import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
 from . import _arrays, inputs
+from ._threads import available_cpus, parallel_map
 from .backends.base import compute_dtype_name
 from .backends.reference import softmax_with_lse
 from .masks import EMPTY, FULL, PARTIAL, apply_score_mods, tile_indices
@@ -212,11 +211,7 @@ class _Streamer:
         chunks = _split(list(enumerate(starts)), _workers(inp, len(starts)))
         received = [self._full((B, Hq, Lk)) for _ in chunks]  # (B, Hq, Lk) per worker
         work = lambda i: [self._query_tile(res, received[i], t, q0) for t, q0 in chunks[i]]  # noqa: E731
-        if inp.kind == "numpy":
-            with _one_blas_thread():  # BLAS threads only slow down the many small products
-                _run_parallel(work, len(chunks))
-        else:
-            work(0)
+        parallel_map(work, range(len(chunks)))  # one chunk (no threads) for torch, see _workers
         res.received = sum(received[1:], received[0])
         if self.topk:
             res.topk_weights = self.xp.where(res.topk_indices < 0, 0.0, res.topk_weights)
@@ -272,30 +267,12 @@ def _workers(inp, n_tiles: int) -> int:
     """Threads for the query tiles: NumPy only (torch parallelises each operation itself)."""
     if inp.kind == "torch":
         return 1
-    return max(1, min(n_tiles, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else
-                      (os.cpu_count() or 1)))
+    return max(1, min(n_tiles, available_cpus()))
 
 
 def _split(items: list, n: int) -> list:
     """n interleaved chunks of items (causal tiles are cheap at the top, dear at the bottom)."""
     return [items[i::n] for i in range(n)]
-
-
-def _run_parallel(work, n: int) -> None:
-    """work(0), ..., work(n-1), on n threads when n > 1."""
-    if n == 1:
-        work(0)
-        return
-    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="qkv-stats") as pool:
-        list(pool.map(work, range(n)))
-
-
-def _one_blas_thread():
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:  # optional (qkv[cpu]); without it BLAS keeps its own threads
-        return contextlib.nullcontext()
-    return threadpool_limits(limits=1, user_api="blas")
 
 
 def tile_sizes(heads: int, Lq: int, Lk: int, scale=(1, 1)) -> tuple[int, int]:

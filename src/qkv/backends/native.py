@@ -14,6 +14,7 @@ import os
 import numpy as np
 
 from .. import _arrays
+from .._threads import available_cpus
 from ..masks import PARTIAL, Alibi, Bias, IntervalMask, Softcap, tile_indices
 from . import base
 from .base import Backend, Capabilities, autograd_attention, row_tile_classes, tile_workspace
@@ -32,7 +33,7 @@ def default_threads() -> int:
     env = os.environ.get("QKV_NUM_THREADS")
     if env:
         return max(1, int(env))
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return available_cpus()
 
 
 class NativeBackend(Backend):

@@ -7,29 +7,12 @@ run on a thread pool: NumPy's matmul releases the GIL.
 """
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
 
+from .._threads import available_cpus, parallel_map
 from ..masks import EMPTY
 from .base import Backend, Capabilities, cdiv, compute_dtype_name, row_tile_classes, tile_workspace
 from .tiling import TileRule, partial_flags
-
-_pool: ThreadPoolExecutor | None = None
-
-try:  # our threads split the work; BLAS threads inside them would only oversubscribe the cores
-    from threadpoolctl import threadpool_limits
-except ImportError:  # optional (pip install qkv[cpu]): without it BLAS keeps its own threads
-    threadpool_limits = None
-
-
-def _threads() -> ThreadPoolExecutor:
-    global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="qkv")
-    return _pool
-
 
 class NumpyBackend(Backend):
     name = "numpy"
@@ -46,12 +29,7 @@ class NumpyBackend(Backend):
         lse = np.full((inp.B, inp.Hq, inp.Lq), -np.inf, dtype=cdt)
         classes = row_tile_classes(inp, self.block_q, self.block_k)  # (R, nq, nk) or None
         work = [(r, t) for r in range(inp.B * inp.Hkv) for t in range(cdiv(inp.Lq, self.block_q))]
-        run = lambda rt: self._query_tile(inp, classes, cdt, out, lse, *rt)  # noqa: E731
-        if len(work) > 1 and threadpool_limits is not None:
-            with threadpool_limits(limits=1, user_api="blas"):
-                list(_threads().map(run, work))
-        else:
-            list(_threads().map(run, work))
+        parallel_map(lambda rt: self._query_tile(inp, classes, cdt, out, lse, *rt), work)
         return out, lse
 
     def _query_tile(self, inp, classes, cdt, out, lse, r, t):
@@ -90,7 +68,7 @@ class NumpyBackend(Backend):
             inp.group, q1 - q0)
 
     def workspace_bytes(self, inp):
-        workers = min(os.cpu_count() or 1, max(1, inp.B * inp.Hkv * cdiv(inp.Lq, self.block_q)))
+        workers = min(available_cpus(), max(1, inp.B * inp.Hkv * cdiv(inp.Lq, self.block_q)))
         tiles = tile_workspace(workers, self.block_q, self.block_k, inp.group, inp.D, inp.Dv, inp.dtype)
         lse = inp.B * inp.Hq * inp.Lq * (8 if inp.dtype == "float64" else 4)
         return tiles + lse

@@ -1,0 +1,36 @@
+"""Threads for the NumPy code paths: one shared pool, and BLAS kept to one thread inside it."""
+from __future__ import annotations
+
+import contextlib
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+_pool: ThreadPoolExecutor | None = None
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def one_blas_thread():
+    """A context in which BLAS runs single-threaded: our threads split the work, BLAS threads
+    inside them would only oversubscribe the cores. Needs threadpoolctl (qkv[cpu]); without
+    it BLAS keeps its own threads."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return contextlib.nullcontext()
+    return threadpool_limits(limits=1, user_api="blas")
+
+
+def parallel_map(fn, items) -> list:
+    """[fn(x) for x in items], on the shared pool when there is more than one item."""
+    global _pool
+    items = list(items)
+    if len(items) <= 1:
+        return [fn(x) for x in items]
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=available_cpus(), thread_name_prefix="qkv")
+    with one_blas_thread():
+        return list(_pool.map(fn, items))
