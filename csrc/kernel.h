@@ -220,6 +220,7 @@ struct ForwardPlan {
 #endif
   float* partial;  // splits > 1: per (row, q tile, split): m, l (np each) and Oᵀ (Dv x np)
   int64_t partial_stride;
+  bool few_queries = false;  // decoding: few_queries_item
 };
 
 // A key tile of k or v as an operand with rows = keys: in place for contiguous float32,
@@ -411,6 +412,104 @@ inline void scale_tile(float* ST, int cols, int np, float scale) {
 }
 #endif
 
+
+// ---- decoding: a few stacked queries against many keys ---------------------------------------
+// With n <= 8 queries a transposed score tile would fill a fraction of each vector, so here
+// the rows of K and V are read in place and the vectors run along the head dim instead:
+// S = Q·Kᵀ (n x keys) by dot products, O (n x Dv) += P·V with four rows and four vectors
+// of O held in registers. The result is written out as Oᵀ for the common code.
+constexpr int FEW_QUERIES = 8;
+
+inline bool few_queries_path(const Problem& p, int n) {
+  return n <= FEW_QUERIES && p.dtype == qkv::F32 && p.k.s3 == 1 && p.v.s3 == 1 && p.D % W == 0 &&
+         p.Dv % (4 * W) == 0;
+}
+
+// S[rr][c] = Q[rr]·K[k0 + c] for the n query rows (Q: n x D, scaled) and the tile's keys.
+inline void scores_by_rows(const Problem& p, const Tile& tj, int n, const float* Q, float* S, int ld) {
+  const float* K = static_cast<const float*>(p.k.data) + tj.b * p.k.s0 + int64_t(tj.kv) * p.k.s1;
+  for (int c = 0; c < tj.cols; ++c) {
+    const float* key = K + int64_t(tj.k0 + c) * p.k.s2;
+    Vec acc[FEW_QUERIES];
+    for (int rr = 0; rr < n; ++rr) acc[rr] = Vec::zero();
+    for (int d = 0; d < p.D; d += W) {
+      Vec kd = Vec::load(key + d);
+      for (int rr = 0; rr < n; ++rr) acc[rr] = Vec::fma(kd, Vec::load(Q + rr * p.D + d), acc[rr]);
+    }
+    for (int rr = 0; rr < n; ++rr) S[rr * ld + c] = acc[rr].reduce_add();
+  }
+}
+
+// Online softmax along rows of S (n x ld, `cols` keys): S becomes P; m, l and O (n x Dv) update.
+inline void online_softmax_rows(int n, int cols, int ld, int Dv, float* S, float* m, float* l, float* O) {
+  for (int rr = 0; rr < n; ++rr) {
+    float* s = S + int64_t(rr) * ld;
+    fill(s + cols, ld - cols, NEG_INF);
+    Vec mx = Vec::set1(NEG_INF);
+    for (int c = 0; c < ld; c += W) mx = Vec::max(mx, Vec::load(s + c));
+    float m_new = mx.reduce_max() > m[rr] ? mx.reduce_max() : m[rr];
+    if (m_new == NEG_INF) {  // nothing allowed yet: contributes nothing
+      fill(s, ld, 0.f);
+      continue;
+    }
+    const float alpha = expf(m[rr] - m_new);  // rescales what was summed under the old max
+    Vec shift = Vec::set1(m_new), sum = Vec::zero();
+    for (int c = 0; c < ld; c += W) {
+      Vec e = Vec::exp(Vec::load(s + c) - shift);
+      e.store(s + c);
+      sum = sum + e;
+    }
+    l[rr] = l[rr] * alpha + sum.reduce_add(), m[rr] = m_new;
+    for (int d = 0; d < Dv; d += W) (Vec::load(O + int64_t(rr) * Dv + d) * Vec::set1(alpha)).store(O + int64_t(rr) * Dv + d);
+  }
+}
+
+// O (n x Dv) += P (n x ld) · V[k0 : k0 + cols]; P rows past n must be zero (up to a multiple of 4).
+inline void values_by_rows(const Problem& p, const Tile& tj, int n, const float* P, int ld, float* O) {
+  const float* V = static_cast<const float*>(p.v.data) + tj.b * p.v.s0 + int64_t(tj.kv) * p.v.s1;
+  for (int r0 = 0; r0 < n; r0 += 4)
+    for (int d0 = 0; d0 < p.Dv; d0 += 4 * W) {
+      Vec acc[4][4];
+      for (int rr = 0; rr < 4; ++rr)
+        for (int v = 0; v < 4; ++v) acc[rr][v] = Vec::load(O + int64_t(r0 + rr) * p.Dv + d0 + v * W);
+      for (int c = 0; c < tj.cols; ++c) {
+        const float* value = V + int64_t(tj.k0 + c) * p.v.s2 + d0;
+        Vec vv[4];
+        for (int v = 0; v < 4; ++v) vv[v] = Vec::load(value + v * W);
+        for (int rr = 0; rr < 4; ++rr) {
+          Vec pr = Vec::set1(P[(r0 + rr) * ld + c]);
+          for (int v = 0; v < 4; ++v) acc[rr][v] = Vec::fma(pr, vv[v], acc[rr][v]);
+        }
+      }
+      for (int rr = 0; rr < 4; ++rr)
+        for (int v = 0; v < 4; ++v) acc[rr][v].store(O + int64_t(r0 + rr) * p.Dv + d0 + v * W);
+    }
+}
+
+void few_queries_item(const ForwardPlan& plan, const Tile& tl, int split, float* m, float* l, float* OT,
+                      int64_t* computed, int64_t* masked) {
+  const Problem& p = plan.f.p;
+  const int n = tl.n(), n4 = round_up(n, 4), ld = round_up(p.block_k, W);
+  Buffer Q(int64_t(n) * p.D), S(int64_t(n4) * ld), O(int64_t(n4) * p.Dv);
+  for (int g = 0; g < plan.G; ++g)
+    load_rows(p.q, p.dtype, tl.b, tl.kv * plan.G + g, tl.q0, tl.rows, tl.rows, p.D, p.D, p.scale,
+              Q.p + int64_t(g) * tl.rows * p.D);
+  fill(S.p, int64_t(n4) * ld, 0.f), fill(O.p, int64_t(n4) * p.Dv, 0.f);
+  const int j_end = imin(plan.nk, (split + 1) * plan.tiles_per_split);
+  for (int j = split * plan.tiles_per_split; j < j_end; ++j) {
+    const int8_t cls = tile_class(p, tl.r, tl.t, j);
+    if (cls == qkv::EMPTY) continue;
+    *computed += 1, *masked += cls == qkv::PARTIAL;
+    Tile tj = make_tile(p, tl.r, tl.t, j);
+    scores_by_rows(p, tj, n, Q.p, S.p, ld);
+    apply_rule(tj, S.p, ld, 1);
+    online_softmax_rows(n, tj.cols, ld, p.Dv, S.p, m, l, O.p);
+    values_by_rows(p, tj, n, S.p, ld, O.p);
+  }
+  for (int rr = 0; rr < n; ++rr)
+    for (int d = 0; d < p.Dv; ++d) OT[int64_t(d) * plan.np + rr] = O.p[int64_t(rr) * p.Dv + d];
+}
+
 void forward_item(void* ctx, int64_t item) {
   const ForwardPlan& plan = *static_cast<const ForwardPlan*>(ctx);
   const Problem& p = plan.f.p;
@@ -432,8 +531,9 @@ void forward_item(void* ctx, int64_t item) {
 #endif
     load_queries_transposed(p, tl, plan.G, np, QT.p);
   fill(m, np, NEG_INF), fill(l, np, 0.f), fill(OT, int64_t(plan.dv_rows) * np, 0.f);
-  const int j_end = imin(plan.nk, (split + 1) * plan.tiles_per_split);
+  const int j_end = plan.few_queries ? 0 : imin(plan.nk, (split + 1) * plan.tiles_per_split);
   int64_t computed = 0, masked = 0;
+  if (plan.few_queries) few_queries_item(plan, tl, split, m, l, OT, &computed, &masked);
   for (int j = split * plan.tiles_per_split; j < j_end; ++j) {
     const int8_t cls = tile_class(p, r, t, j);
     if (cls == qkv::EMPTY) continue;
@@ -511,6 +611,7 @@ void forward(const Forward& f) {
                    round_up(G * imin(p.block_q, p.Lq), amx ? 32 : W), amx ? round_up(p.Dv, 32) : p.Dv, amx,
                    nullptr, 0};
   plan.tiles_per_split = plan.nk;
+  plan.few_queries = !amx && few_queries_path(p, G * imin(p.block_q, p.Lq));
   const int64_t items = int64_t(p.B) * p.Hkv * plan.nq;
   // Few (row, query tile) items and many keys (decoding): split the keys too, so every
   // thread has work. The split depends on the shape only, so results never depend on threads.

@@ -158,3 +158,16 @@ def test_randomized_differential(problem):
     ref, ref_lse = qkv.attention(*tensors, backend="reference", return_lse=True, **kwargs)
     assert_within_rule(got, want, ref, dtype)
     assert_within_rule(lse, want_lse, ref_lse, "float32", "lse")
+
+
+@pytest.mark.parametrize("mask", [None, "padding", "window", "alibi"])
+@pytest.mark.parametrize("lq,hq,hkv", [(1, 32, 8), (2, 4, 1), (1, 3, 3), (3, 2, 1)])
+def test_decoding_path(rng, mask, lq, hq, hkv):
+    """Few stacked queries (the decoding path, key splits merged by lse) against the reference."""
+    q64, k64, v64 = (rng.standard_normal(s) for s in ((2, hq, lq, 64), (2, hkv, 3000, 64), (2, hkv, 3000, 128)))
+    kwargs = {"padding": {"mask": qkv.padding([3000, 1234])}, "window": {"mask": qkv.window(700)},
+              "alibi": {"score_mod": qkv.alibi(rng.random(hq) * 0.01)}, None: {}}[mask]
+    arrays = [x.astype(np.float32) for x in (q64, k64, v64)]
+    got = qkv.attention(*arrays, backend="native", **kwargs)
+    want = qkv.attention(q64, k64, v64, backend="reference", **kwargs)
+    assert_within_rule(got, want, qkv.attention(*arrays, backend="reference", **kwargs), "float32")
