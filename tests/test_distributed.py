@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,6 +25,8 @@ if not dist.is_available() or not dist.is_gloo_available():  # pragma: no cover
 
 import qkv  # noqa: E402
 from qkv import distributed as qd  # noqa: E402
+from qkv._processes import RanksFailed  # noqa: E402
+from qkv._processes import run_ranks as launch  # noqa: E402
 
 from helpers import ATOL, max_err  # noqa: E402
 
@@ -42,65 +43,14 @@ WORKER = ("import sys; sys.path.insert(0, sys.argv[1]); import test_distributed 
           "t.worker_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])")
 
 
-class RanksFailed(AssertionError):
-    """A rank exited with an error or ran past the deadline (the message has its output)."""
-
-
 def run_ranks(world: int, cases: list[dict], folder: Path, timeout: float = RUN_TIMEOUT) -> list[list[dict]]:
-    """Run `cases` on `world` processes; returns results[rank][case].
-
-    Raises RanksFailed (killing every rank still running) when a rank exits with an
-    error or the run takes longer than `timeout` seconds.
-    """
+    """Run `cases` on `world` processes; returns results[rank][case] (RanksFailed on a failure or hang)."""
     folder.mkdir(parents=True, exist_ok=True)
     torch.save(cases, folder / "cases.pt")
     env = dict(os.environ, OMP_NUM_THREADS="1", QKV_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    procs, logs = [], []
-    for rank in range(world):
-        log = open(folder / f"rank{rank}.log", "wb")
-        logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, "-c", WORKER, str(TESTS), str(rank), str(world), str(folder)],
-                                      stdout=log, stderr=subprocess.STDOUT, env=env))
-    try:
-        _wait_all(procs, folder, timeout)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for log in logs:
-            log.close()
+    commands = [[sys.executable, "-c", WORKER, str(TESTS), str(rank), str(world), str(folder)] for rank in range(world)]
+    launch(commands, folder, timeout, env)
     return [torch.load(folder / f"result{rank}.pt") for rank in range(world)]
-
-
-def _wait_all(procs, folder: Path, timeout: float) -> None:
-    deadline, grace, first = time.monotonic() + timeout, None, None
-    while any(p.poll() is None for p in procs):
-        failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
-        now = time.monotonic()
-        if failed and grace is None:
-            first, grace = failed[0], now + 5.0  # let the other ranks report how they saw it, then stop them
-        if now > deadline or (grace is not None and now > grace):
-            break
-        time.sleep(0.05)
-    failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
-    running = [r for r, p in enumerate(procs) if p.poll() is None]
-    if failed:
-        first = failed[0] if first is None else first
-        raise RanksFailed(f"rank(s) {failed} of {len(procs)} failed (exit codes "
-                          f"{[procs[r].returncode for r in failed]}; rank {first} was seen first)"
-                          + _tails(folder, [first] + [r for r in failed if r != first]))
-    if running:
-        raise RanksFailed(f"rank(s) {running} of {len(procs)} did not finish within {timeout:.0f} s and were "
-                          "killed" + _tails(folder, running))
-
-
-def _tails(folder: Path, ranks) -> str:
-    parts = []
-    for r in ranks:
-        text = (folder / f"rank{r}.log").read_text(errors="replace").strip().splitlines()
-        parts.append(f"\n--- rank {r} output (last lines) ---\n" + "\n".join(text[-15:]))
-    return "".join(parts)
 
 
 def worker_main(rank: int, world: int, folder: str) -> None:

@@ -23,11 +23,12 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from ._processes import run_ranks
 
 DEFAULTS = dict(heads=4, kv_heads=4, head_dim=64, batch=1, dtype="float32", mask="causal", layout="zigzag",
                 repeat=3, backward=False)
@@ -232,37 +233,16 @@ def _row(cfg: dict, world: int, single: dict, ranks: list[dict]) -> dict:
 
 
 def _launch(world: int, cfg: dict, folder: Path, threads: int, timeout: float) -> list[list[dict]]:
-    """Run `world` worker processes; their results (per rank, per length). Kills them all on failure."""
+    """Run `world` worker processes; their results (per rank, per length). Kills them all on failure
+    (RanksFailed)."""
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps(cfg))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), QKV_NUM_THREADS=str(threads))
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    logs = [open(folder / f"rank{rank}.log", "wb") for rank in range(world)]
-    procs = [subprocess.Popen([sys.executable, "-m", "qkv.bench_distributed", "--worker", str(rank),
-                               "--world", str(world), "--folder", str(folder)],
-                              stdout=logs[rank], stderr=subprocess.STDOUT, env=env)
-             for rank in range(world)]
-    deadline = time.monotonic() + timeout
-    try:
-        while any(p.poll() is None for p in procs):
-            failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
-            if failed or time.monotonic() > deadline:
-                what = f"rank(s) {failed} failed" if failed else f"no result within {timeout:.0f} s"
-                log = (folder / f"rank{failed[0] if failed else 0}.log").read_text(errors="replace")
-                raise RuntimeError(f"distributed benchmark: {what}; output:\n{log[-3000:]}")
-            time.sleep(0.05)
-        failed = [r for r, p in enumerate(procs) if p.returncode != 0]
-        if failed:
-            log = (folder / f"rank{failed[0]}.log").read_text(errors="replace")
-            raise RuntimeError(f"distributed benchmark: rank(s) {failed} failed; output:\n{log[-3000:]}")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for log in logs:
-            log.close()
+    commands = [[sys.executable, "-m", "qkv.bench_distributed", "--worker", str(rank), "--world", str(world),
+                 "--folder", str(folder)] for rank in range(world)]
+    run_ranks(commands, folder, timeout, env)
     return [json.loads((folder / f"result{rank}.json").read_text()) for rank in range(world)]
 
 
