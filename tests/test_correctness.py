@@ -74,3 +74,19 @@ def test_large_logits_are_stable(backend, rng):
     arrays, arrays64 = random_qkv(rng, (1, 1, 33, 8), (1, 1, 700, 8), (1, 1, 700, 8), kind, "float32")
     out, lse = check_backend(backend, arrays, arrays64, "float32", scale=1e3)
     assert np.isfinite(np.asarray(out.tolist())).all()
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16", "bfloat16"])
+def test_every_backend_returns_the_inputs_dtype(rng, dtype):
+    from helpers import convert, torch
+    from qkv import dispatch
+
+    for name, impl in dispatch.REGISTRY.items():
+        if impl.missing() or dtype not in impl.caps.dtypes:
+            continue
+        kind = "torch" if dtype == "bfloat16" or "numpy" not in impl.caps.kinds else "numpy"
+        if kind == "torch" and torch is None:
+            continue
+        q = convert(rng.standard_normal((1, 2, 5, 4)), kind, dtype)
+        out = qkv.attention(q, q, q, backend=name)
+        assert str(out.dtype).replace("torch.", "") == dtype, name

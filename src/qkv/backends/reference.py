@@ -71,8 +71,9 @@ class ReferenceBackend(Backend):
 
     def forward(self, inp):
         q, k, v = upcast(inp, inp.q, inp.k, inp.v)
-        out, lse, _ = formula(inp, q, k, v)
-        return _arrays.like(out, inp.q), _arrays.like(lse.astype(compute_dtype_name(inp.dtype)), inp.q)
+        out, lse, _ = formula(inp, q, k, v)  # in the compute dtype
+        out = _arrays.astype(_arrays.like(out, inp.q), inp.dtype)  # rounded to the inputs' dtype, like any backend
+        return out, _arrays.like(lse.astype(compute_dtype_name(inp.dtype)), inp.q)
 
     def weights(self, inp):
         q, k = upcast(inp, inp.q, inp.k)
