@@ -425,18 +425,35 @@ inline bool few_queries_path(const Problem& p, int n) {
          p.Dv % (4 * W) == 0;
 }
 
-// S[rr][c] = Q[rr]·K[k0 + c] for the n query rows (Q: n x D, scaled) and the tile's keys.
-inline void scores_by_rows(const Problem& p, const Tile& tj, int n, const float* Q, float* S, int ld) {
+// S[rr][c] = Q[rr]·K[k0 + c] for the N query rows (Q: N x D, scaled) and the tile's keys.
+// N is a template parameter so the accumulators stay in registers.
+template <int N>
+inline void scores_by_rows(const Problem& p, const Tile& tj, const float* Q, float* S, int ld) {
   const float* K = static_cast<const float*>(p.k.data) + tj.b * p.k.s0 + int64_t(tj.kv) * p.k.s1;
+  const int64_t ahead = 8 * p.k.s2;  // rows are streamed once: fetch 8 keys ahead
   for (int c = 0; c < tj.cols; ++c) {
     const float* key = K + int64_t(tj.k0 + c) * p.k.s2;
-    Vec acc[FEW_QUERIES];
-    for (int rr = 0; rr < n; ++rr) acc[rr] = Vec::zero();
+    Vec acc[N];
+    for (int rr = 0; rr < N; ++rr) acc[rr] = Vec::zero();
     for (int d = 0; d < p.D; d += W) {
+      __builtin_prefetch(key + ahead + d);
       Vec kd = Vec::load(key + d);
-      for (int rr = 0; rr < n; ++rr) acc[rr] = Vec::fma(kd, Vec::load(Q + rr * p.D + d), acc[rr]);
+      for (int rr = 0; rr < N; ++rr) acc[rr] = Vec::fma(kd, Vec::load(Q + rr * p.D + d), acc[rr]);
     }
-    for (int rr = 0; rr < n; ++rr) S[rr * ld + c] = acc[rr].reduce_add();
+    for (int rr = 0; rr < N; ++rr) S[rr * ld + c] = acc[rr].reduce_add();
+  }
+}
+
+inline void scores_by_rows(const Problem& p, const Tile& tj, int n, const float* Q, float* S, int ld) {
+  switch (n) {
+    case 1: scores_by_rows<1>(p, tj, Q, S, ld); break;
+    case 2: scores_by_rows<2>(p, tj, Q, S, ld); break;
+    case 3: scores_by_rows<3>(p, tj, Q, S, ld); break;
+    case 4: scores_by_rows<4>(p, tj, Q, S, ld); break;
+    case 5: scores_by_rows<5>(p, tj, Q, S, ld); break;
+    case 6: scores_by_rows<6>(p, tj, Q, S, ld); break;
+    case 7: scores_by_rows<7>(p, tj, Q, S, ld); break;
+    default: scores_by_rows<8>(p, tj, Q, S, ld); break;
   }
 }
 
@@ -474,6 +491,8 @@ inline void values_by_rows(const Problem& p, const Tile& tj, int n, const float*
         for (int v = 0; v < 4; ++v) acc[rr][v] = Vec::load(O + int64_t(r0 + rr) * p.Dv + d0 + v * W);
       for (int c = 0; c < tj.cols; ++c) {
         const float* value = V + int64_t(tj.k0 + c) * p.v.s2 + d0;
+        if (r0 == 0 && d0 == 0)  // the first pass over the tile fetches whole rows, 8 keys ahead
+          for (int d = 0; d < p.Dv; d += W) __builtin_prefetch(value + 8 * p.v.s2 + d);
         Vec vv[4];
         for (int v = 0; v < 4; ++v) vv[v] = Vec::load(value + v * W);
         for (int rr = 0; rr < 4; ++rr) {
