@@ -464,7 +464,8 @@ inline void online_softmax_rows(int n, int cols, int ld, int Dv, float* S, float
     fill(s + cols, ld - cols, NEG_INF);
     Vec mx = Vec::set1(NEG_INF);
     for (int c = 0; c < ld; c += W) mx = Vec::max(mx, Vec::load(s + c));
-    float m_new = mx.reduce_max() > m[rr] ? mx.reduce_max() : m[rr];
+    const float tile_max = mx.reduce_max();
+    const float m_new = tile_max > m[rr] ? tile_max : m[rr];
     if (m_new == NEG_INF) {  // nothing allowed yet: contributes nothing
       fill(s, ld, 0.f);
       continue;

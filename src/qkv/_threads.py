@@ -13,6 +13,20 @@ def available_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def cpu_name() -> str:
+    """The processor's model name (Linux), or what the platform module knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown CPU"
+
+
 def one_blas_thread():
     """A context in which BLAS runs single-threaded: our threads split the work, BLAS threads
     inside them would only oversubscribe the cores. Needs threadpoolctl (qkv[cpu]); without

@@ -20,7 +20,7 @@ import numpy as np
 
 from . import attention, causal, dispatch
 from ._memory import peak_growth
-from ._threads import available_cpus
+from ._threads import available_cpus, cpu_name
 
 
 @dataclass
@@ -214,14 +214,8 @@ def machine() -> dict:
     from . import __version__
     from .backends import native
 
-    cpu = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
     return {
-        "cpu": cpu, "machine": platform.machine(),
+        "cpu": cpu_name(), "machine": platform.machine(),
         "threads": available_cpus(),
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__, "qkv": __version__,

@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 
-from qkv._threads import available_cpus
+from qkv._threads import available_cpus, cpu_name
 
 
 def cmd_info(args) -> int:
@@ -17,7 +17,7 @@ def cmd_info(args) -> int:
 
     print(f"qkv {qkv.__version__}  python {platform.python_version()}  numpy {np.__version__}  "
           f"torch {_torch_version()}")
-    print(f"machine: {_cpu_name()}, {platform.machine()}, {available_cpus()} CPUs")
+    print(f"machine: {cpu_name()}, {platform.machine()}, {available_cpus()} CPUs")
     print("backends (automatic choice in this order):")
     for name, backend in dispatch.REGISTRY.items():
         missing = backend.missing()
@@ -82,17 +82,6 @@ def _torch_version() -> str:
     except ImportError:
         return "not installed"
     return torch.__version__
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def build_parser() -> argparse.ArgumentParser:

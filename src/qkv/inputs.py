@@ -113,7 +113,7 @@ def check_size(name, arr, expected, what):
         raise ValueError(f"{name} must have {what} ({expected}) entries, got {arr.shape[0]}")
 
 
-def check_rule_result(name, result, like):
+def check_rule_result(name, result):
     if _arrays.kind_of(result) is None or str(result.dtype) not in ("bool", "torch.bool"):
         got = type(result).__name__ if _arrays.kind_of(result) is None else f"dtype {result.dtype}"
         raise TypeError(f"{name}: the rule must return a boolean array, got {got}")

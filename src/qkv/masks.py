@@ -377,7 +377,7 @@ class MaskFn(Mask):
         self.fn = inputs.check_callable("fn", fn)
 
     def allowed(self, b, h, qi, ki, geom):
-        return inputs.check_rule_result("mask_fn", self.fn(b, h, qi, ki), b)
+        return inputs.check_rule_result("mask_fn", self.fn(b, h, qi, ki))
 
     def __repr__(self):
         return f"mask_fn({getattr(self.fn, '__name__', 'fn')})"

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import _arrays
-from ..masks import EMPTY, FULL, PARTIAL, tile_indices
+from ..masks import EMPTY, FULL, PARTIAL
 
 
 @dataclass(frozen=True)
@@ -190,12 +190,6 @@ def dropout_scale_tile(inp, b, h, qi, ki, like):
         return None
     keep = dropout_keep(inp.seed, inp.dropout_p, inp.Hq, b, h, qi, ki)
     return _arrays.cast_like(keep, like) * (1.0 / (1.0 - inp.dropout_p))
-
-
-def group_tile_indices(like, row_b, kv_head, group: int, q0, q1, k0, k1):
-    """Indices for the `group` query heads of kv head `kv_head` in batch row(s) `row_b`."""
-    heads = np.arange(kv_head * group, (kv_head + 1) * group)
-    return tile_indices(like, row_b, heads, q0, q1, k0, k1)
 
 
 def cdiv(a: int, b: int) -> int:

@@ -67,7 +67,7 @@ class NativeBackend(Backend):
         return self.run_forward(inp, inp.q, inp.k, inp.v)
 
     def run_forward(self, inp, q, k, v):
-        out, lse = _empty(q, (inp.B, inp.Hq, inp.Lq, inp.Dv)), _empty_f32(q, (inp.B, inp.Hq, inp.Lq))
+        out, lse = _empty(q, (inp.B, inp.Hq, inp.Lq, inp.Dv)), _empty(q, (inp.B, inp.Hq, inp.Lq), "float32")
         counts = None if base.tile_counter is None else np.zeros(2, dtype=np.int64)
         _native.forward(q, k, v, out, lse, inp.scale, BLOCK_Q, BLOCK_K, self.num_threads, **kernel_extras(inp),
                         tile_counts=counts)
@@ -93,20 +93,13 @@ class NativeBackend(Backend):
             + 4 * inp.B * inp.Hq * inp.Lq
 
 
-def _empty(like, shape):
+def _empty(like, shape, dtype=None):
+    """An uninitialised array of like's kind, in like's dtype or the named one."""
     if _arrays.is_torch(like):
         import torch
 
-        return torch.empty(shape, dtype=like.dtype)
-    return np.empty(shape, dtype=like.dtype)
-
-
-def _empty_f32(like, shape):
-    if _arrays.is_torch(like):
-        import torch
-
-        return torch.empty(shape, dtype=torch.float32)
-    return np.empty(shape, dtype=np.float32)
+        return torch.empty(shape, dtype=like.dtype if dtype is None else getattr(torch, dtype))
+    return np.empty(shape, dtype=like.dtype if dtype is None else dtype)
 
 
 def kernel_extras(inp) -> dict:

@@ -75,11 +75,6 @@ class ReferenceBackend(Backend):
         out = _arrays.astype(_arrays.like(out, inp.q), inp.dtype)  # rounded to the inputs' dtype, like any backend
         return out, _arrays.like(lse.astype(compute_dtype_name(inp.dtype)), inp.q)
 
-    def weights(self, inp):
-        q, k = upcast(inp, inp.q, inp.k)
-        s, allowed = scores(inp, q, k)
-        return softmax_with_lse(s, allowed)[0]
-
     def backward(self, inp, dout, dlse=None):
         """(dq, dk, dv) of sum(out * dout) + sum(lse * dlse), in NumPy (the gradient oracle)."""
         if any(type(m).__name__ == "ScoreFn" for m in inp.score_mods):
