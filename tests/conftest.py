@@ -1,3 +1,5 @@
+import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -6,6 +8,20 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+def _use_triton_interpreter() -> None:
+    """Triton decides when it is imported whether kernels run in its CPU interpreter; without
+    a GPU, the triton backend's tests need it, so it is set before anything imports triton."""
+    if importlib.util.find_spec("triton") is None or importlib.util.find_spec("torch") is None:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_use_triton_interpreter()
 
 from helpers import BACKENDS  # noqa: E402
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 import qkv
-from qkv import dispatch
+from qkv import dispatch, inputs
 
 try:
     import torch
@@ -19,8 +19,10 @@ except ImportError:  # pragma: no cover - the dev extra installs torch
 
 ATOL = {"float64": 1e-12, "float32": 2e-6, "float16": 2e-3, "bfloat16": 1e-2}
 
-#: Backends under test: every registered one that can run here, except the oracle itself.
-BACKENDS = [name for name, b in dispatch.REGISTRY.items() if name != "reference" and b.missing() is None]
+#: Backends under test: every registered CPU one that can run here, except the oracle itself
+#: (GPU backends have their own tests).
+BACKENDS = [name for name, b in dispatch.REGISTRY.items()
+            if name != "reference" and b.missing() is None and b.runs_on_cpu]
 
 
 def kind_of_backend(name: str) -> str:
@@ -98,3 +100,34 @@ def _as64(kwargs):
         return kwargs
     is_bool = "bool" in str(mask.dtype)
     return {**kwargs, "mask": to64(mask).astype(bool) if is_bool else to64(mask)}
+
+
+def reference_grads(qkv64, dout, dlse, kwargs, dtype="float64"):
+    """(dq, dk, dv) of sum(out * dout) + sum(lse * dlse) from the oracle, computed in dtype."""
+    inp = inputs.prepare(*[x.astype(dtype) for x in qkv64], **_as64(kwargs))
+    return dispatch.REGISTRY["reference"].backward(inp, dout.astype(dtype), dlse.astype(dtype))
+
+
+def check_gradients(backend: str, leaves, kwargs, rng):
+    """Backpropagate random dout and dlse through `backend` and compare dq, dk, dv with the
+    oracle: err <= 2 * err(oracle run in float32, rounded to the dtype) + atol * max|grad|."""
+    q, k, v = leaves
+    dtype = str(q.dtype).replace("torch.", "")
+    out, lse = qkv.attention(q, k, v, backend=backend, return_lse=True, **kwargs)
+    dout = torch.tensor(rng.standard_normal(out.shape), dtype=out.dtype, device=out.device)
+    dlse = torch.tensor(rng.standard_normal(lse.shape), dtype=lse.dtype, device=lse.device)
+    finite = torch.isfinite(lse)
+    (out * dout).sum().backward(retain_graph=True)
+    torch.autograd.backward(lse[finite], dlse[finite])
+    got = [x.grad for x in (q, k, v)]
+
+    dlse64 = np.where(to64(finite), to64(dlse), 0)
+    oracle = reference_grads([to64(x) for x in (q, k, v)], to64(dout), dlse64, kwargs)
+    in_dtype = oracle if dtype == "float64" else reference_grads(
+        [to64(x) for x in (q, k, v)], to64(dout), dlse64, kwargs, dtype="float32")
+    for name, g, want, ref in zip("qkv", got, oracle, in_dtype):
+        rounded = to64(torch.tensor(ref).to(getattr(torch, dtype)))
+        err, ref_err = max_err(g, want), max_err(rounded, want)
+        bound = 2 * ref_err + ATOL[dtype] * max(1.0, float(np.abs(want).max()))
+        assert err <= bound, f"d{name}: {err:.3e} > {bound:.3e}"
+    assert all(np.isfinite(to64(g)).all() for g in got)

@@ -44,8 +44,9 @@ def cmd_check(args) -> int:
             continue
         dtype = "float64" if "float64" in backend.caps.dtypes else "float32"
         arrays = [x.astype(dtype) for x in (q, k, v)]
-        if "numpy" not in backend.caps.kinds:
-            arrays = _as_torch(*arrays)
+        on_cpu = backend.accepts_device("cpu")
+        if "numpy" not in backend.caps.kinds or not on_cpu:
+            arrays = _as_torch(*arrays, device="cpu" if on_cpu else "cuda")
         got = np.asarray(qkv.attention(*arrays, qkv.causal(), backend=name).tolist())
         err = float(np.abs(got - want).max())
         ok = err < (1e-10 if dtype == "float64" else 1e-5)
@@ -70,10 +71,10 @@ def cmd_demo(args) -> int:
     return 0
 
 
-def _as_torch(*arrays):
+def _as_torch(*arrays, device="cpu"):
     import torch
 
-    return tuple(torch.tensor(a) for a in arrays)
+    return tuple(torch.tensor(a, device=device) for a in arrays)
 
 
 def _torch_version() -> str:

@@ -13,6 +13,7 @@ from .backends.native import NativeBackend
 from .backends.numpy import NumpyBackend
 from .backends.reference import ReferenceBackend
 from .backends.torch import TorchBackend
+from .backends.triton import TritonBackend
 
 
 class BackendError(RuntimeError):
@@ -21,7 +22,7 @@ class BackendError(RuntimeError):
 
 #: Every backend, in order of preference for automatic choice.
 REGISTRY: dict[str, Backend] = {
-    b.name: b for b in (NativeBackend(), TorchBackend(), NumpyBackend(), ReferenceBackend())}
+    b.name: b for b in (NativeBackend(), TritonBackend(), TorchBackend(), NumpyBackend(), ReferenceBackend())}
 
 
 def register(backend: Backend, *, first: bool = True) -> None:
@@ -55,8 +56,9 @@ def choose(inp, backend: str | None = None) -> Choice:
     chosen, refused = None, {}
     for name, candidate in REGISTRY.items():
         reasons = candidate.unsupported(inp)
-        if not candidate.automatic or candidate.caps.materializes:
-            reasons = reasons + ["never chosen automatically (holds the Lq x Lk matrix)"]
+        refusal = candidate.automatic_refusal(inp)
+        if refusal:
+            reasons = reasons + [refusal]
         if reasons:
             refused[name] = reasons
         elif chosen is None:

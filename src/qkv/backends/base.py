@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import _arrays
-from ..masks import EMPTY, FULL, PARTIAL
+from ..masks import EMPTY, FULL, PARTIAL, Alibi, Bias, ScoreFn, Softcap, tile_indices
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class Backend:
         elif self.missing():
             return [self.missing()]
         device_type = inp.device.split(":")[0]
-        if caps.devices and device_type not in caps.devices:
+        if not self.accepts_device(device_type):
             reasons.append(f"runs on {'/'.join(caps.devices)}, inputs are on {inp.device}")
         if inp.dtype not in caps.dtypes:
             reasons.append(f"supports {', '.join(caps.dtypes)}, got {inp.dtype}")
@@ -57,6 +57,20 @@ class Backend:
 
     def extra_reasons(self, inp) -> list[str]:
         return []
+
+    def accepts_device(self, device_type: str) -> bool:
+        return not self.caps.devices or device_type in self.caps.devices
+
+    @property
+    def runs_on_cpu(self) -> bool:
+        """Whether it is a CPU implementation (what CPU-only tests, checks and benchmarks run)."""
+        return not self.caps.devices or "cpu" in self.caps.devices
+
+    def automatic_refusal(self, inp) -> str | None:
+        """Why `backend=None` must not pick this backend for these inputs (it may still be named)."""
+        if not self.automatic or self.caps.materializes:
+            return "never chosen automatically (holds the Lq x Lk matrix)"
+        return None
 
     def block_sizes(self, inp) -> tuple[int, int] | None:
         """(block_q, block_k) of a tiled kernel for these inputs; None if it does not tile."""
@@ -112,6 +126,42 @@ def _attention_function():
 
     _function = Attention
     return _function
+
+
+def softmax_delta(out, dout, dlse):
+    """rowsum(dO ∘ O) - dlse (B, Hq, Lq) in float32: the backward's per-row softmax term."""
+    delta = (dout.float() * out.float()).sum(-1)
+    return delta if dlse is None else delta - dlse.float()
+
+
+def inline_score_mod_reasons(inp, inline_kinds: tuple, who: str) -> list[str]:
+    """Reasons a kernel that applies `inline_kinds` modifiers inline (each at most once,
+    softcap last) cannot run these score modifiers."""
+    kinds = [type(m) for m in inp.score_mods]
+    names = lambda ks: ", ".join(_MOD_NAMES.get(k, k.__name__) for k in ks)  # noqa: E731
+    others = [k for k in kinds if k not in inline_kinds]
+    if others:
+        return [f"{who} applies {names(inline_kinds)} inline, not {names(others)}"]
+    if len(set(kinds)) != len(kinds) or (Softcap in kinds and kinds.index(Softcap) != len(kinds) - 1):
+        return [f"{who} applies each of {names(inline_kinds)} at most once, softcap last"]
+    return []
+
+
+_MOD_NAMES = {Alibi: "alibi", Bias: "bias", Softcap: "softcap", ScoreFn: "score_fn"}
+
+
+def key_intervals(mask, inp):
+    """Per (batch row, query) key bounds lo <= j <= hi of an IntervalMask: int32 (B, Lq),
+    clipped to [-1, Lk]."""
+    probe = np.zeros(0)
+    b, _, qi, _ = tile_indices(probe, np.arange(inp.B), [0], 0, inp.Lq, 0, 1)
+    lo, hi = (np.broadcast_to(x, (inp.B, 1, inp.Lq, 1))[:, 0, :, 0] for x in mask.interval(b, qi, inp.geom))
+    return clip_intervals(lo, hi, inp.Lk)
+
+
+def clip_intervals(lo, hi, Lk: int):
+    clip = lambda x: np.ascontiguousarray(np.clip(x, -1, Lk), dtype=np.int32)  # noqa: E731
+    return clip(lo), clip(hi)
 
 
 def compute_dtype_name(dtype: str) -> str:

@@ -17,7 +17,8 @@ from .. import _arrays
 from .._threads import available_cpus
 from ..masks import PARTIAL, Alibi, Bias, IntervalMask, Softcap, tile_indices
 from . import base
-from .base import Backend, Capabilities, autograd_attention, row_tile_classes, tile_workspace
+from .base import (Backend, Capabilities, autograd_attention, inline_score_mod_reasons, key_intervals,
+                   row_tile_classes, softmax_delta, tile_workspace)
 
 try:
     from .. import _native
@@ -50,13 +51,7 @@ class NativeBackend(Backend):
         return None
 
     def extra_reasons(self, inp):
-        reasons = []
-        kinds = [type(m) for m in inp.score_mods]
-        if any(k not in (Alibi, Bias, Softcap) for k in kinds):
-            reasons.append("score_fn runs Python per tile; the native kernel takes alibi, softcap and biases")
-        elif len(set(kinds)) != len(kinds) or (Softcap in kinds and kinds.index(Softcap) != len(kinds) - 1):
-            reasons.append("the native kernel applies at most one alibi and one bias, then softcap last")
-        return reasons
+        return inline_score_mod_reasons(inp, (Alibi, Bias, Softcap), "the native kernel")
 
     def block_sizes(self, inp):
         return BLOCK_Q, BLOCK_K
@@ -79,9 +74,7 @@ class NativeBackend(Backend):
         import torch
 
         dout = dout.contiguous()
-        delta = (dout.float() * out.float()).sum(-1)  # (B, Hq, Lq) = rowsum(dO ∘ O)
-        if dlse is not None:
-            delta = delta - dlse.float()
+        delta = softmax_delta(out, dout, dlse)
         dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
         _native.backward(q, k, v, dout, lse.contiguous(), delta.contiguous(), dq, dk, dv, inp.scale, BLOCK_Q,
                          BLOCK_K, self.num_threads, **kernel_extras(inp))
@@ -118,7 +111,7 @@ def kernel_extras(inp) -> dict:
     classes = row_tile_classes(inp, BLOCK_Q, BLOCK_K)  # (R, nq, nk)
     extras["tile_class"] = np.ascontiguousarray(classes)
     if isinstance(inp.mask, IntervalMask):
-        extras["lo"], extras["hi"] = _intervals(inp)
+        extras["lo"], extras["hi"] = key_intervals(inp.mask, inp)
     else:
         extras["bitmap_index"], extras["bitmaps"] = _partial_bitmaps(inp, classes)
     return extras
@@ -129,15 +122,6 @@ def _float32_bias(mod):
     if _arrays.is_torch(bias):
         return bias.detach().float()
     return np.asarray(bias, dtype=np.float32)
-
-
-def _intervals(inp):
-    """Per (batch row, query) key bounds lo <= j <= hi, int32 (B|1, Lq), clipped to [-1, Lk]."""
-    probe = np.zeros(0)
-    b, _, qi, _ = tile_indices(probe, np.arange(inp.B), [0], 0, inp.Lq, 0, 1)
-    lo, hi = (np.broadcast_to(x, (inp.B, 1, inp.Lq, 1))[:, 0, :, 0] for x in inp.mask.interval(b, qi, inp.geom))
-    clip = lambda x: np.ascontiguousarray(np.clip(x, -1, inp.Lk), dtype=np.int32)  # noqa: E731
-    return clip(lo), clip(hi)
 
 
 def _partial_bitmaps(inp, classes):

@@ -1,0 +1,294 @@
+"""The triton backend: qkv's own fused FlashAttention-2 kernels for NVIDIA GPUs (Triton).
+
+float16 and bfloat16 run their matmuls on tensor cores with float32 accumulation;
+float32 inputs are computed in full float32 (no tf32), so every dtype meets the same
+tolerance rule as the other backends. Head dims up to 256, Lq != Lk, GQA without
+copying K/V, lse returned. Masks: every interval mask (causal in both alignments,
+window, padding, prefix-LM and their intersections) and document masks, as per-query
+key intervals (sorted ids) or ids compared inline (unsorted); ALiBi and softcap inline.
+Key tiles outside a query block's interval are never visited.
+
+With TRITON_INTERPRET=1 the same kernels run on CPU tensors through Triton's
+interpreter (slow; for tests). It is then chosen only when named.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..masks import And, Alibi, Document, IntervalMask, Softcap
+from .base import (Backend, Capabilities, autograd_attention, cdiv, clip_intervals, inline_score_mod_reasons,
+                   key_intervals, softmax_delta)
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "yes", "on")
+
+
+class TritonBackend(Backend):
+    name = "triton"
+
+    caps = Capabilities(kinds=("torch",), devices=("cuda",), dtypes=("float32", "bfloat16", "float16"),
+                        max_head_dim=256, gradients=True)
+
+    def accepts_device(self, device_type):
+        return device_type == "cuda" or (device_type == "cpu" and interpreting())
+
+    def missing(self):
+        if importlib.util.find_spec("triton") is None:
+            return "Triton is not installed (pip install 'qkv[triton]')"
+        if interpreting():
+            return None
+        import torch
+
+        if not torch.cuda.is_available():
+            return "no CUDA GPU here (TRITON_INTERPRET=1 runs the kernels on CPU, slowly, for tests)"
+        return None
+
+    def automatic_refusal(self, inp):
+        if inp.device.startswith("cpu"):
+            return "the Triton interpreter is chosen only when named (it is slow)"
+        return super().automatic_refusal(inp)
+
+    def extra_reasons(self, inp):
+        return _plan_masks(inp)[1] + inline_score_mod_reasons(inp, (Alibi, Softcap), "the triton kernel")
+
+    def forward(self, inp):
+        call = _Call(inp, _plan_masks(inp)[0])
+        if inp.needs_grad:
+            return autograd_attention(_forward, _backward, inp.q, inp.k, inp.v, call)
+        return _forward(call, inp.q, inp.k, inp.v)
+
+    def workspace_bytes(self, inp):
+        return 4 * inp.B * inp.Hq * inp.Lq  # lse; tiles live in registers and shared memory
+
+
+# ---- masks ------------------------------------------------------------------------------------
+@dataclass
+class _MaskPlan:
+    """What the kernels take: key intervals lo <= j <= hi (B, Lq) and/or segment ids."""
+
+    lo: np.ndarray | None = None
+    hi: np.ndarray | None = None
+    ids: np.ndarray | None = None  # (B|1, Lq) compared with kv_ids (B|1, Lk) inline
+    kv_ids: np.ndarray | None = None
+
+
+def _conjuncts(mask):
+    """The parts of an &-chain of masks."""
+    if type(mask) is And:  # Or subclasses And: only a true conjunction splits
+        return [p for part in mask.parts for p in _conjuncts(part)]
+    return [mask]
+
+
+def _plan_masks(inp) -> tuple[_MaskPlan, list[str]]:
+    """The kernels' view of the mask, or reasons it has none."""
+    plan = _MaskPlan()
+    if inp.mask is None:
+        return plan, []
+    parts = _conjuncts(inp.mask)
+    others = [p for p in parts if not isinstance(p, (IntervalMask, Document))]
+    if others:
+        return plan, [f"the triton kernel takes interval and document masks (and their &), not {others[0]!r}"]
+    unsorted = [p for p in parts if isinstance(p, Document) and not _sorted_ids(p)]
+    if len(unsorted) > 1:
+        return plan, ["the triton kernel compares one set of unsorted document ids inline, got several"]
+    for part in parts:
+        if part in unsorted:
+            plan.ids, plan.kv_ids = (np.ascontiguousarray(x, dtype=np.int64) for x in (part.ids, part.kv_ids))
+            continue
+        lo, hi = key_intervals(part, inp) if isinstance(part, IntervalMask) else _document_intervals(part, inp)
+        plan.lo = lo if plan.lo is None else np.maximum(plan.lo, lo)
+        plan.hi = hi if plan.hi is None else np.minimum(plan.hi, hi)
+    return plan, []
+
+
+def _sorted_ids(doc: Document) -> bool:
+    return all((np.diff(x, axis=-1) >= 0).all() for x in (doc.ids, doc.kv_ids))
+
+
+def _document_intervals(doc: Document, inp):
+    """Sorted segment ids as intervals: query i sees the keys carrying its id, a contiguous run."""
+    ids = np.broadcast_to(doc.ids, (inp.B, inp.Lq))
+    kv_ids = np.broadcast_to(doc.kv_ids, (inp.B, inp.Lk))
+    lo = np.stack([np.searchsorted(kv_ids[b], ids[b], side="left") for b in range(inp.B)])
+    hi = np.stack([np.searchsorted(kv_ids[b], ids[b], side="right") - 1 for b in range(inp.B)])
+    return clip_intervals(lo, hi, inp.Lk)
+
+
+def query_block_ranges(lo, hi, Lq: int, Lk: int, block_m: int, block_n: int):
+    """(first, end) int32 (B, nk): the query blocks [first, end) whose rows see keys of each key block."""
+    batch, nq, nk = lo.shape[0], cdiv(Lq, block_m), cdiv(Lk, block_n)
+    pad = ((0, 0), (0, nq * block_m - Lq))
+    lo, hi = np.pad(lo, pad, constant_values=Lk), np.pad(hi, pad, constant_values=-1)
+    live = lo <= hi
+    seen_lo = np.where(live, lo, Lk).reshape(batch, nq, block_m).min(-1)  # (B, nq)
+    seen_hi = np.where(live, hi, -1).reshape(batch, nq, block_m).max(-1)
+    k0 = np.arange(nk) * block_n
+    k1 = np.minimum(k0 + block_n, Lk) - 1
+    overlap = (seen_lo[:, :, None] <= k1) & (seen_hi[:, :, None] >= k0)  # (B, nq, nk)
+    seen = overlap.any(1)
+    first = np.where(seen, overlap.argmax(1), 0)
+    end = np.where(seen, nq - overlap[:, ::-1].argmax(1), 0)
+    return first.astype(np.int32), end.astype(np.int32)
+
+
+# ---- launch configurations ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Blocks:
+    m: int  # query rows per program (per inner tile in dK/dV)
+    n: int  # keys per inner tile (per program in dK/dV)
+    warps: int = 4
+    stages: int = 2
+
+
+#: Largest first; a launch that runs out of shared memory or registers moves down the ladder.
+LADDERS = {
+    "forward": {64: [Blocks(128, 64, 4, 3), Blocks(64, 64, 4, 2), Blocks(32, 32, 4, 1)],
+                128: [Blocks(128, 128, 8, 3), Blocks(128, 64, 8, 3), Blocks(64, 64, 4, 2), Blocks(32, 32, 4, 1)],
+                256: [Blocks(128, 64, 8, 2), Blocks(64, 64, 8, 2), Blocks(64, 32, 4, 1), Blocks(32, 32, 4, 1)]},
+    "dkdv": {64: [Blocks(32, 128, 4, 3), Blocks(32, 64, 4, 2), Blocks(16, 32, 4, 1)],
+             128: [Blocks(32, 128, 8, 3), Blocks(32, 64, 4, 2), Blocks(16, 32, 4, 1)],
+             256: [Blocks(32, 64, 8, 2), Blocks(16, 64, 4, 1), Blocks(16, 32, 4, 1)]},
+    "dq": {64: [Blocks(128, 32, 4, 3), Blocks(64, 32, 4, 2), Blocks(32, 16, 4, 1)],
+           128: [Blocks(128, 32, 8, 3), Blocks(64, 32, 4, 2), Blocks(32, 16, 4, 1)],
+           256: [Blocks(64, 32, 8, 2), Blocks(32, 16, 4, 1), Blocks(16, 16, 4, 1)]},
+}
+#: Small tiles in the interpreter: more tile boundaries per test, numpy per program.
+INTERPRETER_BLOCKS = {"forward": Blocks(32, 32), "dkdv": Blocks(16, 32), "dq": Blocks(32, 16)}
+
+_chosen: dict = {}  # (kernel, head dims, dtype, flags) -> index in its ladder that compiled
+
+
+def _ladder(kernel: str, head_dim: int, dtype: str) -> list[Blocks]:
+    if interpreting():
+        return [INTERPRETER_BLOCKS[kernel]]
+    ladder = LADDERS[kernel][min(d for d in (64, 128, 256) if d >= head_dim)]
+    return ladder[1:] if dtype == "float32" else ladder  # float32 tiles take twice the memory
+
+
+def _launch(kernel: str, key: tuple, head_dim: int, dtype: str, run):
+    """run(blocks) on the first rung of the ladder that fits this GPU; the rung is remembered."""
+    from triton.runtime.errors import OutOfResources
+
+    ladder = _ladder(kernel, head_dim, dtype)
+    start = _chosen.get((kernel, key), 0)
+    for index in range(start, len(ladder)):
+        try:
+            result = run(ladder[index])
+        except OutOfResources:
+            if index == len(ladder) - 1:
+                raise
+            continue
+        _chosen[(kernel, key)] = index
+        return result
+
+
+# ---- calls --------------------------------------------------------------------------------
+@dataclass
+class _Call:
+    inp: object
+    plan: _MaskPlan
+
+
+def _pow2(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+class _DeviceArgs:
+    """The mask and modifier arguments on the inputs' device (a 1-element dummy for absent ones)."""
+
+    def __init__(self, call: _Call, q):
+        import torch
+
+        inp, plan = call.inp, call.plan
+        self.dummy = torch.zeros(1, dtype=torch.int32, device=q.device)
+        put = lambda x: self.dummy if x is None else torch.from_numpy(np.ascontiguousarray(x)).to(q.device)  # noqa: E731
+        self.lo, self.hi, self.ids, self.kv_ids = (put(x) for x in (plan.lo, plan.hi, plan.ids, plan.kv_ids))
+        alibi = next((m for m in inp.score_mods if isinstance(m, Alibi)), None)
+        softcap = next((m for m in inp.score_mods if isinstance(m, Softcap)), None)
+        self.slopes = put(None if alibi is None else alibi.slopes.astype(np.float32))
+        self.softcap = 1.0 if softcap is None else float(softcap.cap)
+        self.strides = (self.lo.stride(0) if plan.lo is not None else 0,
+                        self.ids.stride(0) if plan.ids is not None and plan.ids.shape[0] > 1 else 0,
+                        self.kv_ids.stride(0) if plan.kv_ids is not None and plan.kv_ids.shape[0] > 1 else 0)
+        self.flags = dict(HAS_INTERVAL=plan.lo is not None, HAS_IDS=plan.ids is not None,
+                          HAS_ALIBI=alibi is not None, HAS_SOFTCAP=softcap is not None)
+
+    def shapes(self, inp, q):
+        return dict(D=inp.D, DV=inp.Dv, GROUP=inp.group, BLOCK_D=_pow2(inp.D), BLOCK_DV=_pow2(inp.Dv),
+                    DOT=_dot_mode(inp.dtype), **self.flags)
+
+
+def _dot_mode(dtype: str) -> str:
+    """How the kernels multiply (see _triton_kernels._dot)."""
+    if dtype == "float32":
+        return "ieee"
+    return "widen" if dtype == "bfloat16" and interpreting() else "native"
+
+
+def _cache_key(inp, args):
+    return (inp.D, inp.Dv, inp.dtype, tuple(args.flags.values()))
+
+
+def _forward(call: _Call, q, k, v):
+    """(out (B, Hq, Lq, Dv) in q's dtype, lse (B, Hq, Lq) float32)."""
+    import torch
+
+    from . import _triton_kernels as kernels
+
+    inp = call.inp
+    args = _DeviceArgs(call, q)
+    out = torch.empty(inp.B, inp.Hq, inp.Lq, inp.Dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(inp.B, inp.Hq, inp.Lq, dtype=torch.float32, device=q.device)
+
+    def run(blocks):
+        kernels.attention_forward[(cdiv(inp.Lq, blocks.m), inp.B * inp.Hq)](
+            q, k, v, out, lse, args.lo, args.hi, args.ids, args.kv_ids, args.slopes,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *args.strides,
+            inp.Hq, inp.Lq, inp.Lk, inp.scale, args.softcap, **args.shapes(inp, q),
+            BLOCK_M=blocks.m, BLOCK_N=blocks.n, num_warps=blocks.warps, num_stages=blocks.stages)
+
+    _launch("forward", _cache_key(inp, args), max(inp.D, inp.Dv), inp.dtype, run)
+    return out, lse
+
+
+def _backward(call: _Call, q, k, v, out, lse, dout, dlse):
+    import torch
+
+    from . import _triton_kernels as kernels
+
+    inp, plan = call.inp, call.plan
+    args = _DeviceArgs(call, q)
+    delta = softmax_delta(out, dout, dlse).contiguous()  # (B, Hq, Lq)
+    lse = lse.contiguous()
+    dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+
+    def run_dkdv(blocks):
+        if plan.lo is None:
+            first = end = args.dummy
+        else:
+            first, end = (torch.from_numpy(x).to(q.device) for x in
+                          query_block_ranges(plan.lo, plan.hi, inp.Lq, inp.Lk, blocks.m, blocks.n))
+        kernels.attention_backward_dkdv[(cdiv(inp.Lk, blocks.n), inp.B * inp.Hkv)](
+            q, k, v, dout, lse, delta, dk, dv, args.lo, args.hi, args.ids, args.kv_ids, args.slopes, first, end,
+            *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
+            *args.strides, first.stride(0) if first.dim() == 2 else 0,
+            inp.Hq, inp.Hkv, inp.Lq, inp.Lk, inp.scale, args.softcap, **args.shapes(inp, q),
+            BLOCK_M=blocks.m, BLOCK_N=blocks.n, num_warps=blocks.warps, num_stages=blocks.stages)
+
+    def run_dq(blocks):
+        kernels.attention_backward_dq[(cdiv(inp.Lq, blocks.m), inp.B * inp.Hq)](
+            q, k, v, dout, lse, delta, dq, args.lo, args.hi, args.ids, args.kv_ids, args.slopes,
+            *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(), *args.strides,
+            inp.Hq, inp.Lq, inp.Lk, inp.scale, args.softcap, **args.shapes(inp, q),
+            BLOCK_M=blocks.m, BLOCK_N=blocks.n, num_warps=blocks.warps, num_stages=blocks.stages)
+
+    key = _cache_key(inp, args)
+    _launch("dkdv", key, max(inp.D, inp.Dv), inp.dtype, run_dkdv)
+    _launch("dq", key, max(inp.D, inp.Dv), inp.dtype, run_dq)
+    return dq, dk, dv

@@ -1,0 +1,211 @@
+"""The triton backend: its kernels against the float64 oracle, forward and backward.
+
+On a CUDA machine the kernels run compiled on the GPU (a wider sweep); elsewhere they run
+through Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors, a small sweep.
+"""
+import numpy as np
+import pytest
+
+import qkv
+from helpers import check_backend, check_gradients, to64
+from qkv import dispatch, inputs
+from qkv.backends.triton import interpreting
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton", reason="Triton is not installed (pip install 'qkv[triton]')")
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+DTYPES = ["float32", "float16", "bfloat16"]
+
+
+if not ON_GPU and not interpreting():
+    pytest.skip("no GPU, and TRITON_INTERPRET=1 was not set before triton was imported (conftest.py sets it)",
+                allow_module_level=True)
+
+
+def make(rng, shape, dtype, requires_grad=False):
+    x = torch.tensor(rng.standard_normal(shape), dtype=getattr(torch, dtype), device=DEVICE)
+    return x.requires_grad_(requires_grad)
+
+
+def qkv_of(rng, dtype, B=2, Hq=2, Hkv=1, Lq=37, Lk=45, D=24, Dv=40, requires_grad=False):
+    return [make(rng, s, dtype, requires_grad) for s in ((B, Hq, Lq, D), (B, Hkv, Lk, D), (B, Hkv, Lk, Dv))]
+
+
+def check_forward(rng, dtype, kwargs, **shape):
+    arrays = qkv_of(rng, dtype, **shape)
+    check_backend("triton", arrays, [to64(a) for a in arrays], dtype, **kwargs)
+
+
+SORTED_IDS = np.array([[0] * 10 + [1] * 20 + [2] * 15, [5] * 45])
+UNSORTED_IDS = np.array([[0, 1] * 22 + [2], [3] * 20 + [4] * 25])
+
+MASKS = {
+    "none": dict(),
+    "causal": dict(mask=qkv.causal()),
+    "causal_top_left": dict(mask=qkv.causal(align="top_left")),
+    "window": dict(mask=qkv.window(5, 3)),
+    "padding_empty_rows": dict(mask=qkv.padding([30, 0], q_lengths=[20, 37])),
+    "prefix_lm": dict(mask=qkv.prefix_lm([12, 40])),
+    "document_sorted": dict(mask=qkv.document(SORTED_IDS)),
+    "document_unsorted": dict(mask=qkv.document(UNSORTED_IDS)),
+    "document_and_causal": dict(mask=qkv.document(SORTED_IDS) & qkv.causal()),
+    "unsorted_and_window": dict(mask=qkv.document(UNSORTED_IDS) & qkv.window(4, None)),
+    "alibi": dict(score_mod=qkv.alibi(np.array([0.5, 0.125]))),
+    "softcap_causal": dict(mask=qkv.causal(), score_mod=qkv.softcap(2.0)),
+    "alibi_softcap_window": dict(mask=qkv.window(8, 2), score_mod=[qkv.alibi(np.array([0.3, 0.05])),
+                                                                     qkv.softcap(1.5)]),
+}
+
+
+def _lq_lk(case):
+    """Document ids fix both lengths at 45."""
+    return dict(Lq=45, Lk=45) if "document" in case or "unsorted" in case else dict(Lq=37, Lk=45)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", MASKS)
+def test_forward_masks_and_modifiers(rng, dtype, case):
+    check_forward(rng, dtype, MASKS[case], **_lq_lk(case))
+
+
+SHAPES = {
+    "single": dict(B=1, Hq=1, Hkv=1, Lq=1, Lk=1, D=16, Dv=16),
+    "decode_gqa": dict(B=1, Hq=4, Hkv=1, Lq=1, Lk=77, D=32, Dv=32),
+    "lq_gt_lk": dict(B=1, Hq=2, Hkv=2, Lq=70, Lk=19, D=8, Dv=8),
+    "odd_dims": dict(B=2, Hq=3, Hkv=1, Lq=33, Lk=65, D=17, Dv=5),
+    "head_dim_256": dict(B=1, Hq=2, Hkv=1, Lq=20, Lk=40, D=256, Dv=256),
+}
+if ON_GPU:
+    SHAPES.update(long=dict(B=2, Hq=8, Hkv=2, Lq=1000, Lk=1500, D=128, Dv=128),
+                  dims_64=dict(B=1, Hq=4, Hkv=4, Lq=4096, Lk=4096, D=64, Dv=64))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_forward_shapes(rng, shape, causal):
+    check_forward(rng, "float16" if ON_GPU else "float32", dict(mask=qkv.causal()) if causal else {}, **SHAPES[shape])
+
+
+GRAD_CASES = ["none", "causal", "causal_top_left", "padding_empty_rows", "document_sorted", "document_unsorted",
+              "softcap_causal", "alibi_softcap_window"]
+
+
+def _grad_cases():
+    """Every case in float32; the half types (slow in the interpreter) on a few."""
+    for case in GRAD_CASES:
+        for dtype in DTYPES:
+            if dtype == "float32" or ON_GPU or case in ("causal", "document_unsorted", "alibi_softcap_window"):
+                yield case, dtype
+
+
+@pytest.mark.parametrize("case,dtype", list(_grad_cases()))
+def test_gradients_match_oracle(rng, dtype, case):
+    check_gradients("triton", qkv_of(rng, dtype, requires_grad=True, **_lq_lk(case)), MASKS[case], rng)
+
+
+@pytest.mark.parametrize("shape", ["decode_gqa", "lq_gt_lk", "odd_dims"])
+def test_gradients_shapes(rng, shape):
+    dims = SHAPES[shape]
+    leaves = [make(rng, s, "float32", True) for s in ((dims["B"], dims["Hq"], dims["Lq"], dims["D"]),
+                                                       (dims["B"], dims["Hkv"], dims["Lk"], dims["D"]),
+                                                       (dims["B"], dims["Hkv"], dims["Lk"], dims["Dv"]))]
+    check_gradients("triton", leaves, dict(mask=qkv.causal()), rng)
+
+
+def test_strided_inputs_are_read_in_place(rng):
+    """(B, L, H, D) memory viewed as (B, H, L, D): no copy needed, same result."""
+    q, k, v = (make(rng, s, "float32").transpose(1, 2) for s in ((2, 30, 4, 16), (2, 50, 2, 16), (2, 50, 2, 16)))
+    assert not q.is_contiguous()
+    check_backend("triton", (q, k, v), [to64(x) for x in (q, k, v)], "float32", mask=qkv.causal())
+
+
+def test_results_are_deterministic(rng):
+    q, k, v = qkv_of(rng, "float32", requires_grad=True)
+    runs = []
+    for _ in range(2):
+        out = qkv.attention(q, k, v, qkv.causal(), backend="triton")
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+        runs.append((out, *grads))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_masked_key_tiles_are_never_read(rng):
+    """NaN in keys, values and queries that a block never sees stays out of its results:
+    the kernels skip those tiles instead of masking them (0 * NaN would be NaN)."""
+    half = 128 if ON_GPU else 32  # a multiple of every block size the kernels use here
+    q, k, v = (make(rng, (1, 1, 2 * half, 16), "float32", True) for _ in range(3))
+    with torch.no_grad():
+        k[:, :, half:] = float("nan")  # causal: query rows < half never see keys >= half
+        v[:, :, half:] = float("nan")
+    out = qkv.attention(q, k, v, qkv.causal(), backend="triton")
+    assert torch.isfinite(out[:, :, :half]).all() and torch.isnan(out[:, :, half:]).all()
+    dq, = torch.autograd.grad(out[:, :, :half].sum(), (q,))
+    assert torch.isfinite(dq[:, :, :half]).all()
+
+    q2 = q.detach().clone()
+    q2[:, :, :half] = float("nan")  # keys >= half are seen only by query rows >= half
+    q2.requires_grad_(True)
+    k2, v2 = (make(rng, (1, 1, 2 * half, 16), "float32", True) for _ in range(2))
+    out2 = qkv.attention(q2, k2, v2, qkv.causal(), backend="triton")
+    dk, dv = torch.autograd.grad(out2[:, :, half:].sum(), (k2, v2))
+    assert torch.isfinite(dk[:, :, half:]).all() and torch.isfinite(dv[:, :, half:]).all()
+
+
+def test_query_block_ranges_cover_exactly_the_blocks_that_see_each_key_block(rng):
+    from qkv.backends.triton import query_block_ranges
+
+    Lq, Lk, bm, bn = 50, 70, 16, 32
+    lo = rng.integers(-1, Lk, size=(3, Lq)).astype(np.int32)
+    hi = np.minimum(lo + rng.integers(-3, 30, size=(3, Lq)), Lk).astype(np.int32)
+    lo[1] = 0
+    hi[1] = np.arange(Lq) // 3  # monotone, like causal
+    first, end = query_block_ranges(lo, hi, Lq, Lk, bm, bn)
+    for b in range(3):
+        for j in range(-(-Lk // bn)):
+            keys = np.arange(j * bn, min((j + 1) * bn, Lk))
+            sees = [(lo[b, i] <= keys.max()) and (hi[b, i] >= keys.min()) and lo[b, i] <= hi[b, i]
+                    for i in range(Lq)]
+            blocks = sorted({i // bm for i, s in enumerate(sees) if s})
+            assert (first[b, j], end[b, j]) == ((blocks[0], blocks[-1] + 1) if blocks else (0, 0))
+
+
+@pytest.mark.parametrize("kwargs,reason", [
+    (dict(mask=qkv.mask_fn(lambda b, h, i, j: (i + j) % 2 == 0)), "interval and document masks"),
+    (dict(mask=qkv.causal() | qkv.window(2)), "interval and document masks"),
+    (dict(mask=qkv.document(UNSORTED_IDS) & qkv.document(UNSORTED_IDS[::-1])), "one set of unsorted"),
+    (dict(score_mod=qkv.score_fn(lambda s, b, h, i, j: s)), "not score_fn"),
+    (dict(score_mod=[qkv.softcap(1.0), qkv.alibi(np.ones(2))]), "softcap last"),
+    (dict(dropout_p=0.1), "no dropout"),
+])
+def test_unsupported_calls_are_refused_with_the_reason(rng, kwargs, reason):
+    q, k, v = qkv_of(rng, "float32", Lq=45, Lk=45)
+    with pytest.raises(qkv.BackendError, match=reason):
+        qkv.attention(q, k, v, backend="triton", **kwargs)
+
+
+def test_float64_is_refused(rng):
+    q, k, v = qkv_of(rng, "float32")
+    with pytest.raises(qkv.BackendError, match="float64"):
+        qkv.attention(q.double(), k.double(), v.double(), backend="triton")
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the CPU (interpreter) dispatch")
+def test_interpreter_is_never_chosen_automatically(rng):
+    q, k, v = qkv_of(rng, "float16")
+    choice = dispatch.choose(inputs.prepare(q, k, v))
+    assert choice.backend.name != "triton" and "only when named" in " ".join(choice.refused["triton"])
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the message on a machine without a GPU")
+def test_without_interpreter_or_gpu_it_says_why(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert "no CUDA GPU" in dispatch.REGISTRY["triton"].missing()
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_chosen_automatically_for_cuda_tensors(rng):
+    q, k, v = qkv_of(rng, "bfloat16")
+    assert qkv.explain(q, k, v, mask=qkv.causal()).backend == "triton"
