@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --disable-pip-version-check -q -c constraints.txt
 
-.PHONY: demo test sanitize clean
+.PHONY: demo test sanitize gpu-report clean
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,12 @@ sanitize:
 	cd tests && LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 		ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 		../$(ASAN_VENV)/bin/python -m pytest -q -p no:cacheprovider test_native.py test_tiles.py test_gradients.py -k native
+
+# On a machine with an NVIDIA GPU: the triton backend's tests compiled for the GPU, then the
+# GPU benchmark table (qkv triton against torch's flash SDPA and flex_attention), also as JSON.
+gpu-report: $(VENV)/.dev
+	$(PY) -m pytest -q tests/test_triton.py
+	$(VENV)/bin/qkv bench --device cuda --json gpu-bench.json
 
 clean:
 	rm -rf $(VENV) $(ASAN_VENV) build

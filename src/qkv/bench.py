@@ -8,6 +8,7 @@ backward) or, for decoding, as GB/s of K/V read; the ratio to torch's own
 """
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -35,6 +36,7 @@ class Workload:
     dtype: str = "float32"
     causal: bool = False
     backward: bool = False
+    device: str = "cpu"
 
     @property
     def decoding(self) -> bool:
@@ -73,6 +75,14 @@ def default_suite() -> list[Workload]:
     ]
 
 
+def gpu_suite(lengths=(512, 1024, 2048, 4096, 8192, 16384), head_dims=(64, 128)) -> list[Workload]:
+    """bfloat16 at 16k tokens per batch and 2048 channels (B = 16384 / L, H = 2048 / D), every
+    length, head dim, causal or not, forward and forward + backward."""
+    return [Workload(f"{'fwd+bwd' if bwd else 'fwd'}{' causal' if causal else ''} D={d} L={n}",
+                     16384 // n, 2048 // d, 2048 // d, n, n, d, "bfloat16", causal, bwd, "cuda")
+            for bwd in (False, True) for d in head_dims for causal in (False, True) for n in lengths]
+
+
 def sweep_suite(lengths=(512, 1024, 2048, 4096, 8192)) -> list[Workload]:
     return [Workload(f"fwd fp32 L={n}", 1, 8, 8, n, n, 64) for n in lengths]
 
@@ -81,6 +91,12 @@ def sweep_suite(lengths=(512, 1024, 2048, 4096, 8192)) -> list[Workload]:
 def implementations(w: Workload, peers: bool = True) -> dict:
     """name -> (setup() -> call) for everything that can run this workload here."""
     impls = {}
+    if w.device != "cpu":  # on a GPU: qkv's own kernel against torch's fused kernels
+        impls["qkv triton"] = _qkv_impl(w, "triton")
+        impls["torch sdpa (flash)"] = _torch_sdpa_impl(w, flash=True)
+        if peers:
+            impls["torch flex (compiled)"] = _flex_impl(w)
+        return impls
     for name, backend in dispatch.REGISTRY.items():
         if backend.automatic and backend.runs_on_cpu and backend.missing() is None and w.dtype in backend.caps.dtypes:
             if name == "numpy" and (w.backward or w.dtype != "float32" or w.flops() > 2e11):
@@ -102,7 +118,7 @@ def _inputs(w: Workload, kind: str, requires_grad: bool = False):
     v = torch.randn(w.B, w.Hkv, w.Lk, w.D, generator=g).to(dt)
     if kind == "numpy":
         return tuple(x.numpy() for x in (q, k, v))
-    return tuple(x.requires_grad_(requires_grad) for x in (q, k, v))
+    return tuple(x.to(w.device).requires_grad_(requires_grad) for x in (q, k, v))
 
 
 def _with_backward(run, tensors):
@@ -124,15 +140,22 @@ def _qkv_impl(w, backend):
     return setup
 
 
-def _torch_sdpa_impl(w):
+def _torch_sdpa_impl(w, flash: bool = False):
     def setup():
         import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
 
         q, k, v = _inputs(w, "torch", w.backward)
-        # torch's is_causal is top-left aligned: the same as qkv's causal() when Lq == Lk
-        run = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=w.causal,  # noqa: E731
-                                                      enable_gqa=w.Hq != w.Hkv)
-        return _with_backward(run, (q, k, v)) if w.backward else run
+
+        def run():
+            # torch's is_causal is top-left aligned: the same as qkv's causal() when Lq == Lk
+            return F.scaled_dot_product_attention(q, k, v, is_causal=w.causal, enable_gqa=w.Hq != w.Hkv)
+
+        def run_flash():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return run()
+        call = run_flash if flash else run
+        return _with_backward(call, (q, k, v)) if w.backward else call
     return setup
 
 
@@ -145,24 +168,44 @@ def _flex_impl(w):
         compiled = torch.compile(flex_attention, dynamic=False)
         block_mask = None
         if w.causal:
-            block_mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, w.Lq, w.Lk, device="cpu")
+            block_mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, w.Lq, w.Lk, device=w.device)
         run = lambda: compiled(q, k, v, block_mask=block_mask, enable_gqa=w.Hq != w.Hkv)  # noqa: E731
         return _with_backward(run, (q, k, v)) if w.backward else run
     return setup
 
 
 # ---- measuring --------------------------------------------------------------------------------
-def _peak_mib(call) -> float:
-    """Peak memory one call adds, in MiB."""
-    return peak_growth(call)[1] / 2**20
+def _peak_mib(call, device: str) -> float:
+    """Peak memory one call adds, in MiB (resident set on CPU, allocator peak on a GPU)."""
+    if device == "cpu":
+        return peak_growth(call)[1] / 2**20
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    call()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
+def _synchronizer(device: str):
+    """A function that waits for queued device work (nothing to wait for on CPU)."""
+    if device == "cpu":
+        return lambda: None
+    import torch
+
+    return torch.cuda.synchronize
 
 
 def measure_workload(w: Workload, repeats: int, peers: bool, progress=None) -> list[Result]:
     calls, results = {}, {}
+    sync = _synchronizer(w.device)
     for name, setup in implementations(w, peers).items():
         try:
             call = setup()
             call()  # warm-up (compiles what compiles)
+            sync()
             calls[name] = call
             results[name] = []
         except Exception as error:  # a peer that does not run here is reported, not fatal
@@ -173,6 +216,7 @@ def measure_workload(w: Workload, repeats: int, peers: bool, progress=None) -> l
         for name, call in calls.items():
             start = time.perf_counter()
             call()
+            sync()
             results[name].append(time.perf_counter() - start)
         if progress:
             progress()
@@ -182,10 +226,14 @@ def measure_workload(w: Workload, repeats: int, peers: bool, progress=None) -> l
             rows.append(Result(w.name, name, None, None, "", error=f"{type(times).__name__}: {times}"[:120]))
             continue
         seconds = statistics.median(times)
-        rate, unit = (w.bytes_read() / seconds / 1e9, "GB/s") if w.decoding else (w.flops() / seconds / 1e9,
-                                                                                   "GFLOP/s")
-        rows.append(Result(w.name, name, seconds, rate, unit, peak_mib=_peak_mib(calls[name])))
-    torch_time = next((r.seconds for r in rows if r.impl == "torch sdpa" and r.seconds), None)
+        if w.decoding:
+            rate, unit = w.bytes_read() / seconds / 1e9, "GB/s"
+        elif w.device == "cpu":
+            rate, unit = w.flops() / seconds / 1e9, "GFLOP/s"
+        else:
+            rate, unit = w.flops() / seconds / 1e12, "TFLOP/s"
+        rows.append(Result(w.name, name, seconds, rate, unit, peak_mib=_peak_mib(calls[name], w.device)))
+    torch_time = next((r.seconds for r in rows if r.impl.startswith("torch sdpa") and r.seconds), None)
     for r in rows:
         if r.seconds and torch_time:
             r.ratio_to_torch = torch_time / r.seconds
@@ -200,6 +248,19 @@ def memory_bandwidth_gbs(megabytes: int = 1024, repeats: int = 5) -> float:
     x.sum()
     best = min(_timed(lambda: x.sum()) for _ in range(repeats))
     return x.numel() * 4 / best / 1e9
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _version_of(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _timed(fn) -> float:
@@ -220,6 +281,9 @@ def machine() -> dict:
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__, "qkv": __version__,
         "native_isa": native._native.isa() if native._native else "not built",
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "cuda": torch.version.cuda,
+        "triton": _version_of("triton"),
         "date": time.strftime("%Y-%m-%d"),
     }
 
@@ -240,7 +304,10 @@ def parse_shape(text: str) -> Workload:
 def add_arguments(parser) -> None:
     parser.add_argument("--shape", action="append", type=parse_shape, default=[],
                         help="B,H,L,D or B,Hq,Hkv,Lq,Lk,D (repeatable); replaces the default suite")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="dtype of --shape workloads")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="dtype of --shape workloads")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: qkv's triton kernel against torch's flash SDPA and flex_attention; the default "
+                             "suite becomes bfloat16 forward and backward at head dims 64 and 128, L 512 to 16k")
     parser.add_argument("--causal", action="store_true", help="--shape workloads are causal")
     parser.add_argument("--backward", action="store_true", help="--shape workloads include the backward")
     parser.add_argument("--sweep", action="store_true", help="also sweep the sequence length (for --plot)")
@@ -263,13 +330,18 @@ def run(args) -> int:
     from rich.table import Table
 
     console = Console(width=None if os.isatty(1) else 130)
-    workloads = args.shape or default_suite()
+    if args.device == "cuda" and not _cuda_available():
+        console.print("qkv bench --device cuda: no CUDA GPU here")
+        return 2
+    workloads = args.shape or (gpu_suite() if args.device == "cuda" else default_suite())
     for w in args.shape:
         w.dtype = args.dtype or w.dtype
-        w.causal, w.backward = args.causal, args.backward
+        w.causal, w.backward, w.device = args.causal, args.backward, args.device
     if args.sweep:
         workloads = workloads + sweep_suite()
     info = machine()
+    if args.device == "cuda":
+        console.print(f"GPU: {info['gpu']} (CUDA {info['cuda']}), triton {info['triton']}; host {info['cpu']}")
     console.print(f"{info['cpu']} ({info['machine']}), {info['threads']} threads, native kernel: {info['native_isa']}; "
                   f"qkv {info['qkv']}, torch {info['torch']}, numpy {info['numpy']}, python {info['python']}")
     results = []

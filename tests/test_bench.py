@@ -1,0 +1,45 @@
+"""`qkv bench`: it measures what it says, on tiny shapes (timings are never asserted)."""
+import json
+
+import pytest
+
+from qkv import bench, cli
+
+pytest.importorskip("torch")
+pytest.importorskip("rich")
+
+
+def test_a_small_run_reports_every_implementation_with_ratios(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert cli.main(["bench", "--shape", "1,2,64,16", "--repeats", "2", "--no-peers", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rows = {r["impl"]: r for r in report["results"]}
+    assert {"qkv native", "torch sdpa"} <= set(rows)
+    for row in rows.values():
+        assert row["error"] is None and row["seconds"] > 0 and row["unit"] == "GFLOP/s"
+        assert row["rate"] == pytest.approx(4 * 2 * 64 * 64 * 16 / row["seconds"] / 1e9)
+    assert rows["torch sdpa"]["ratio_to_torch"] == pytest.approx(1.0)
+    assert report["machine"]["torch"] and report["machine"]["qkv"]
+    assert "qkv bench" in capsys.readouterr().out
+
+
+def test_gpu_suite_covers_head_dims_lengths_masks_and_directions():
+    suite = bench.gpu_suite()
+    assert {w.D for w in suite} == {64, 128}
+    assert {w.Lq for w in suite} == {512, 1024, 2048, 4096, 8192, 16384}
+    assert {(w.causal, w.backward) for w in suite} == {(False, False), (True, False), (False, True), (True, True)}
+    assert all(w.device == "cuda" and w.dtype == "bfloat16" and w.B * w.Lq == 16384 and w.Hq * w.D == 2048
+               for w in suite)
+    causal_bwd = next(w for w in suite if w.causal and w.backward)
+    assert causal_bwd.flops() == 4 * causal_bwd.B * causal_bwd.Hq * causal_bwd.Lq ** 2 * causal_bwd.D / 2 * 3.5
+
+
+def test_gpu_implementations_are_qkv_triton_and_torch_kernels():
+    w = bench.gpu_suite()[0]
+    assert set(bench.implementations(w, peers=True)) == {"qkv triton", "torch sdpa (flash)", "torch flex (compiled)"}
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message without a GPU")
+def test_cuda_bench_without_a_gpu_says_so(capsys):
+    assert cli.main(["bench", "--device", "cuda"]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().out
