@@ -189,6 +189,12 @@ def _peak_mib(call, device: str) -> float:
     return (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
+#: Idle time before each timed call. OpenMP pools (torch's, BLAS's) keep spinning for a few
+#: milliseconds after a call; on a machine with few cores that steals a core from whichever
+#: implementation runs next, so each one starts on an idle machine instead.
+SETTLE_SECONDS = 0.05
+
+
 def _synchronizer(device: str):
     """A function that waits for queued device work (nothing to wait for on CPU)."""
     if device == "cpu":
@@ -214,6 +220,7 @@ def measure_workload(w: Workload, repeats: int, peers: bool, progress=None) -> l
             progress()
     for _ in range(repeats):  # interleaved: every implementation once per round
         for name, call in calls.items():
+            time.sleep(SETTLE_SECONDS)
             start = time.perf_counter()
             call()
             sync()

@@ -55,10 +55,10 @@ class TritonBackend(Backend):
         return super().automatic_refusal(inp)
 
     def extra_reasons(self, inp):
-        return _plan_masks(inp)[1] + inline_score_mod_reasons(inp, (Alibi, Softcap), "the triton kernel")
+        return _mask_reasons(inp) + inline_score_mod_reasons(inp, (Alibi, Softcap), "the triton kernel")
 
     def forward(self, inp):
-        call = _Call(inp, _plan_masks(inp)[0])
+        call = _Call(inp, _plan_masks(inp))
         if inp.needs_grad:
             return autograd_attention(_forward, _backward, inp.q, inp.k, inp.v, call)
         return _forward(call, inp.q, inp.k, inp.v)
@@ -85,26 +85,28 @@ def _conjuncts(mask):
     return [mask]
 
 
-def _plan_masks(inp) -> tuple[_MaskPlan, list[str]]:
-    """The kernels' view of the mask, or reasons it has none."""
-    plan = _MaskPlan()
-    if inp.mask is None:
-        return plan, []
-    parts = _conjuncts(inp.mask)
+def _mask_reasons(inp) -> list[str]:
+    """Why the kernels cannot take this mask (empty when they can)."""
+    parts = [] if inp.mask is None else _conjuncts(inp.mask)
     others = [p for p in parts if not isinstance(p, (IntervalMask, Document))]
     if others:
-        return plan, [f"the triton kernel takes interval and document masks (and their &), not {others[0]!r}"]
-    unsorted = [p for p in parts if isinstance(p, Document) and not _sorted_ids(p)]
-    if len(unsorted) > 1:
-        return plan, ["the triton kernel compares one set of unsorted document ids inline, got several"]
-    for part in parts:
-        if part in unsorted:
+        return [f"the triton kernel takes interval and document masks (and their &), not {others[0]!r}"]
+    if sum(isinstance(p, Document) and not _sorted_ids(p) for p in parts) > 1:
+        return ["the triton kernel compares one set of unsorted document ids inline, got several"]
+    return []
+
+
+def _plan_masks(inp) -> _MaskPlan:
+    """The kernels' view of a mask that _mask_reasons accepts."""
+    plan = _MaskPlan()
+    for part in [] if inp.mask is None else _conjuncts(inp.mask):
+        if isinstance(part, Document) and not _sorted_ids(part):
             plan.ids, plan.kv_ids = (np.ascontiguousarray(x, dtype=np.int64) for x in (part.ids, part.kv_ids))
             continue
         lo, hi = key_intervals(part, inp) if isinstance(part, IntervalMask) else _document_intervals(part, inp)
         plan.lo = lo if plan.lo is None else np.maximum(plan.lo, lo)
         plan.hi = hi if plan.hi is None else np.minimum(plan.hi, hi)
-    return plan, []
+    return plan
 
 
 def _sorted_ids(doc: Document) -> bool:
