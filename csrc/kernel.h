@@ -790,14 +790,9 @@ inline void accumulate_pair(const BackwardPlan& plan, int r, int t, int j, PairS
   probabilities_and_score_grads(plan, tj, qt, plan.Kt + at * plan.Dp * bkp, plan.Vt + at * plan.Dvp * bkp, w.S.p,
                                 w.dP.p);
   if (dQ) gemm(n, plan.Dp, tj.cols, rows_of(w.dP.p, bkp), plan.K + at * bkp * plan.Dp, plan.Dp, dQ, plan.Dp, true);
-  if (dV) {
-    transpose(n, tj.cols, w.S.p, bkp, w.T.p, n);
-    gemm(tj.cols, plan.Dvp, n, rows_of(w.T.p, n), qt.dO, plan.Dvp, dV, plan.Dvp, true);  // dV += Pᵀ·dO
-  }
-  if (dK) {
-    transpose(n, tj.cols, w.dP.p, bkp, w.T.p, n);
-    gemm(tj.cols, plan.Dp, n, rows_of(w.T.p, n), qt.Q, plan.Dp, dK, plan.Dp, true);  // dK += dSᵀ·(scale·Q)
-  }
+  // Pᵀ and dSᵀ are read in place as transposed operands (no copies)
+  if (dV) gemm(tj.cols, plan.Dvp, n, transposed(rows_of(w.S.p, bkp)), qt.dO, plan.Dvp, dV, plan.Dvp, true);  // dV += Pᵀ·dO
+  if (dK) gemm(tj.cols, plan.Dp, n, transposed(rows_of(w.dP.p, bkp)), qt.Q, plan.Dp, dK, plan.Dp, true);  // dK += dSᵀ·(scale·Q)
 }
 
 inline void store_dq(const BackwardPlan& plan, int r, int t, const float* dQ) {
