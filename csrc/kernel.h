@@ -391,19 +391,34 @@ void pack_values_item(void* ctx, int64_t rj) {  // one (row, key tile)
   }
 }
 
-// Pᵀ (cols x np float32) as VNNI pairs of keys: (keys_pad/2) x np x 2 bf16; rows past cols are 0.
-inline void pack_probabilities(const float* PT, int cols, int keys_pad, int np, uint16_t* PB) {
+// One pass of the online softmax for the AMX path: fold a tile of transposed scores ST
+// (cols x np, times `scale`) into m, l (np) and OT (Dv x np), writing P straight out as bf16
+// VNNI pairs of keys, (keys_pad/2) x np x 2 (keys past cols are 0). ST is only read.
+inline void softmax_to_bf16_pairs(int cols, int keys_pad, int np, int Dv, const float* ST, float scale, float* m,
+                                  float* l, float* OT, uint16_t* PB) {
   const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
                                               22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  const __m512 zero = _mm512_setzero_ps();
-  for (int c = 0; c < keys_pad; c += 2)
-    for (int q = 0; q < np; q += 16) {
-      __m512 even = c < cols ? _mm512_loadu_ps(PT + int64_t(c) * np + q) : zero;
-      __m512 odd = c + 1 < cols ? _mm512_loadu_ps(PT + int64_t(c + 1) * np + q) : zero;
-      __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(even)),
-                                        (__m256i)_mm512_cvtneps_pbh(odd), 1);
+  const Vec scaled = Vec::set1(scale);
+  for (int q = 0; q < np; q += W) {
+    Vec mx = Vec::set1(NEG_INF);
+    for (int c = 0; c < cols; ++c) mx = Vec::max(mx, Vec::load(ST + int64_t(c) * np + q));
+    Vec m_old = Vec::load(m + q), m_new = Vec::max(m_old, mx * scaled);
+    Vec shift = Vec::finite_or_zero(m_new);  // columns with nothing allowed yet shift by 0
+    Vec alpha = Vec::exp(m_old - shift), sum = Vec::zero();
+    const Vec neg_shift = Vec::zero() - shift;
+    for (int c = 0; c < keys_pad; c += 2) {  // exp(scale * s - shift) of keys c and c + 1, 0 past cols
+      Vec even = c < cols ? Vec::exp(Vec::fma(Vec::load(ST + int64_t(c) * np + q), scaled, neg_shift)) : Vec::zero();
+      Vec odd = c + 1 < cols ? Vec::exp(Vec::fma(Vec::load(ST + int64_t(c + 1) * np + q), scaled, neg_shift))
+                             : Vec::zero();
+      sum = sum + even + odd;
+      __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(even.v)),
+                                        (__m256i)_mm512_cvtneps_pbh(odd.v), 1);
       _mm512_storeu_si512(PB + int64_t(c / 2) * np * 2 + q * 2, _mm512_permutexvar_epi16(interleave, both));
     }
+    (Vec::load(l + q) * alpha + sum).store(l + q);
+    m_new.store(m + q);
+    for (int d = 0; d < Dv; ++d) (Vec::load(OT + int64_t(d) * np + q) * alpha).store(OT + int64_t(d) * np + q);
+  }
 }
 
 inline void scale_tile(float* ST, int cols, int np, float scale) {
@@ -565,10 +580,10 @@ void forward_item(void* ctx, int64_t item) {
       int64_t ldk;
       const uint16_t* K = key_tile(p, tj, Dpad, keys_pad, Kbuf, &ldk);
       amx_matmul(keys_pad, np, Dpad, K, ldk, QB, ST.p, np, false);  // Sᵀ = K·Qᵀ (keys x queries)
-      scale_tile(ST.p, tj.cols, np, p.scale);
-      apply_rule(tj, ST.p, 1, np);
-      online_softmax_columns(tj.cols, np, p.Dv, ST.p, m, l, OT);
-      pack_probabilities(ST.p, tj.cols, keys_pad, np, PB);
+      const bool modified = p.mods.alibi_slopes || p.mods.bias || p.mods.softcap > 0;
+      if (modified) scale_tile(ST.p, tj.cols, np, p.scale);  // modifiers see scaled scores
+      apply_rule(tj, ST.p, 1, np);  // masked scores become -inf, scaled or not
+      softmax_to_bf16_pairs(tj.cols, keys_pad, np, p.Dv, ST.p, modified ? 1.f : p.scale, m, l, OT, PB);
       amx_matmul(plan.dv_rows, np, keys_pad, plan.values->tile(r, tj.k0), plan.values->lk_pad, PB, OT, np,
                  true);  // Oᵀ += Vᵀ·Pᵀ
       continue;
