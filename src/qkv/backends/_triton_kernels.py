@@ -109,6 +109,38 @@ def _store_tile(ptr, value, offs_r, offs_c, stride_r, stride_c, n_r, n_c):
     tl.store(ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, value, mask=mask)
 
 
+@triton.jit
+def _query_side(LO, HI, QID, SLOPES, b, h, offs_m, Lq, s_interval_b, s_qid_b, HAS_INTERVAL: tl.constexpr,
+                HAS_IDS: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """A query block's key bounds lo/hi, segment ids and ALiBi slope (placeholders when absent)."""
+    lo = _load_rows(LO + b * s_interval_b, offs_m, Lq, 0) if HAS_INTERVAL else offs_m
+    hi = _load_rows(HI + b * s_interval_b, offs_m, Lq, -1) if HAS_INTERVAL else offs_m
+    qid = _load_rows(QID + b * s_qid_b, offs_m, Lq, -2) if HAS_IDS else offs_m
+    slope = tl.load(SLOPES + h) if HAS_ALIBI else 0.0
+    return lo, hi, qid, slope
+
+
+@triton.jit
+def _key_side(k_ptr, kid_ptr, n0, skn, skd, Lk, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+              HAS_IDS: tl.constexpr):
+    """A key tile from n0: its indices, Kᵀ (BD, BN) and segment ids."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    kT = _load_tile(k_ptr, tl.arange(0, BLOCK_D), offs_n, skd, skn, D, Lk)
+    kid = _load_rows(kid_ptr, offs_n, Lk, -1) if HAS_IDS else offs_n
+    return offs_n, kT, kid
+
+
+@triton.jit
+def _phase(phase: tl.constexpr, start, full_start, full_end, end):
+    """Key range [from, to) of phase 0 (masked edge), 1 (FULL tiles) or 2 (masked edge)."""
+    if phase == 0:
+        return start, tl.minimum(full_start, end)
+    elif phase == 1:
+        return full_start, full_end
+    else:
+        return full_end, end
+
+
 # ---- forward ------------------------------------------------------------------------------
 @triton.jit
 def _forward_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, skn, skd, svn, svd, kid_ptr, start, end,
@@ -117,12 +149,9 @@ def _forward_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, skn, skd, svn, svd, kid_ptr, 
                    BLOCK_DV: tl.constexpr, DOT: tl.constexpr, MASKED: tl.constexpr,
                    HAS_INTERVAL: tl.constexpr, HAS_IDS: tl.constexpr, HAS_ALIBI: tl.constexpr,
                    HAS_SOFTCAP: tl.constexpr):
-    offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        kT = _load_tile(k_ptr, offs_d, offs_n, skd, skn, D, Lk)  # (BD, BN)
-        kid = _load_rows(kid_ptr, offs_n, Lk, -1) if HAS_IDS else offs_n
+        offs_n, kT, kid = _key_side(k_ptr, kid_ptr, n0, skn, skd, Lk, D, BLOCK_N, BLOCK_D, HAS_IDS)
         s, _ = _scores(q, kT, offs_m, offs_n, lo, hi, qid, kid, slope, Lq, Lk, sm_scale, softcap,
                        DOT, MASKED, HAS_INTERVAL, HAS_IDS, HAS_ALIBI, HAS_SOFTCAP)
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -154,10 +183,8 @@ def attention_forward(Q, K, V, O, LSE, LO, HI, QID, KID, SLOPES,
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < Lq
     q = _load_tile(Q + b * sqb + h * sqh, offs_m, tl.arange(0, BLOCK_D), sqm, sqd, Lq, D)  # (BM, BD)
-    lo = _load_rows(LO + b * s_interval_b, offs_m, Lq, 0) if HAS_INTERVAL else offs_m
-    hi = _load_rows(HI + b * s_interval_b, offs_m, Lq, -1) if HAS_INTERVAL else offs_m
-    qid = _load_rows(QID + b * s_qid_b, offs_m, Lq, -2) if HAS_IDS else offs_m
-    slope = tl.load(SLOPES + h) if HAS_ALIBI else 0.0
+    lo, hi, qid, slope = _query_side(LO, HI, QID, SLOPES, b, h, offs_m, Lq, s_interval_b, s_qid_b,
+                                     HAS_INTERVAL, HAS_IDS, HAS_ALIBI)
     start, full_start, full_end, end = _key_range(lo, hi, row_ok, Lk, BLOCK_N, HAS_INTERVAL, HAS_IDS)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -167,8 +194,7 @@ def attention_forward(Q, K, V, O, LSE, LO, HI, QID, KID, SLOPES,
     v_ptr = V + b * svb + hk * svh
     kid_ptr = KID + b * s_kid_b
     for phase in tl.static_range(3):
-        lo_n = start if phase == 0 else (full_start if phase == 1 else full_end)
-        hi_n = tl.minimum(full_start, end) if phase == 0 else (full_end if phase == 1 else end)
+        lo_n, hi_n = _phase(phase, start, full_start, full_end, end)
         acc, m_i, l_i = _forward_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, skn, skd, svn, svd, kid_ptr, lo_n, hi_n,
                                        offs_m, lo, hi, qid, slope, Lq, Lk, sm_scale, softcap,
                                        D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, DOT, phase != 1,
@@ -198,13 +224,10 @@ def _dq_tiles(dq, q, do, lse2, delta, k_ptr, v_ptr, skn, skd, svn, svd, kid_ptr,
               BLOCK_DV: tl.constexpr, DOT: tl.constexpr, MASKED: tl.constexpr,
               HAS_INTERVAL: tl.constexpr, HAS_IDS: tl.constexpr, HAS_ALIBI: tl.constexpr,
               HAS_SOFTCAP: tl.constexpr):
-    offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        kT = _load_tile(k_ptr, offs_d, offs_n, skd, skn, D, Lk)  # (BD, BN)
+        offs_n, kT, kid = _key_side(k_ptr, kid_ptr, n0, skn, skd, Lk, D, BLOCK_N, BLOCK_D, HAS_IDS)
         vT = _load_tile(v_ptr, offs_dv, offs_n, svd, svn, DV, Lk)  # (BDV, BN)
-        kid = _load_rows(kid_ptr, offs_n, Lk, -1) if HAS_IDS else offs_n
         s, t = _scores(q, kT, offs_m, offs_n, lo, hi, qid, kid, slope, Lq, Lk, sm_scale, softcap,
                        DOT, MASKED, HAS_INTERVAL, HAS_IDS, HAS_ALIBI, HAS_SOFTCAP)
         p = tl.math.exp2(s - lse2[:, None])  # (BM, BN)
@@ -239,10 +262,8 @@ def attention_backward_dq(Q, K, V, DO, LSE, DELTA, GRAD_Q, LO, HI, QID, KID, SLO
     row = (b * Hq + h) * Lq
     lse2 = _row_lse2(LSE + row, offs_m, Lq)
     delta = _load_rows(DELTA + row, offs_m, Lq, 0.0)
-    lo = _load_rows(LO + b * s_interval_b, offs_m, Lq, 0) if HAS_INTERVAL else offs_m
-    hi = _load_rows(HI + b * s_interval_b, offs_m, Lq, -1) if HAS_INTERVAL else offs_m
-    qid = _load_rows(QID + b * s_qid_b, offs_m, Lq, -2) if HAS_IDS else offs_m
-    slope = tl.load(SLOPES + h) if HAS_ALIBI else 0.0
+    lo, hi, qid, slope = _query_side(LO, HI, QID, SLOPES, b, h, offs_m, Lq, s_interval_b, s_qid_b,
+                                     HAS_INTERVAL, HAS_IDS, HAS_ALIBI)
     start, full_start, full_end, end = _key_range(lo, hi, row_ok, Lk, BLOCK_N, HAS_INTERVAL, HAS_IDS)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -250,8 +271,7 @@ def attention_backward_dq(Q, K, V, DO, LSE, DELTA, GRAD_Q, LO, HI, QID, KID, SLO
     v_ptr = V + b * svb + hk * svh
     kid_ptr = KID + b * s_kid_b
     for phase in tl.static_range(3):
-        lo_n = start if phase == 0 else (full_start if phase == 1 else full_end)
-        hi_n = tl.minimum(full_start, end) if phase == 0 else (full_end if phase == 1 else end)
+        lo_n, hi_n = _phase(phase, start, full_start, full_end, end)
         dq = _dq_tiles(dq, q, do, lse2, delta, k_ptr, v_ptr, skn, skd, svn, svd, kid_ptr, lo_n, hi_n,
                        offs_m, lo, hi, qid, slope, Lq, Lk, sm_scale, softcap,
                        D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, DOT, phase != 1,
@@ -314,7 +334,6 @@ def attention_backward_dkdv(Q, K, V, DO, LSE, DELTA, GRAD_K, GRAD_V, LO, HI, QID
         q_ptr = Q + b * sqb + h * sqh
         do_ptr = DO + b * sdob + h * sdoh
         row = (b * Hq + h) * Lq
-        slope = tl.load(SLOPES + h) if HAS_ALIBI else 0.0
         for t in range(t_start, t_end):
             offs_m = t * BLOCK_M + tl.arange(0, BLOCK_M)
             row_ok = offs_m < Lq
@@ -322,9 +341,8 @@ def attention_backward_dkdv(Q, K, V, DO, LSE, DELTA, GRAD_K, GRAD_V, LO, HI, QID
             do = _load_tile(do_ptr, offs_m, offs_dv, sdom, sdod, Lq, DV)  # (BM, BDV)
             lse2 = _row_lse2(LSE + row, offs_m, Lq)
             delta = _load_rows(DELTA + row, offs_m, Lq, 0.0)
-            lo = _load_rows(LO + b * s_interval_b, offs_m, Lq, 0) if HAS_INTERVAL else offs_m
-            hi = _load_rows(HI + b * s_interval_b, offs_m, Lq, -1) if HAS_INTERVAL else offs_m
-            qid = _load_rows(QID + b * s_qid_b, offs_m, Lq, -2) if HAS_IDS else offs_m
+            lo, hi, qid, slope = _query_side(LO, HI, QID, SLOPES, b, h, offs_m, Lq, s_interval_b, s_qid_b,
+                                             HAS_INTERVAL, HAS_IDS, HAS_ALIBI)
             if HAS_IDS:
                 full = False
             elif HAS_INTERVAL:  # every row of the block allows every key of the tile
