@@ -545,11 +545,15 @@ void few_queries_item(const ForwardPlan& plan, const Tile& tl, int split, float*
     for (int d = 0; d < p.Dv; ++d) OT[int64_t(d) * plan.np + rr] = O.p[int64_t(rr) * p.Dv + d];
 }
 
+// The query tile of work item rt: last tiles first, since under causal masks they are the
+// longest, so the pool ends on short ones.
+inline int query_tile_of(const ForwardPlan& plan, int64_t rt) { return plan.nq - 1 - int(rt % plan.nq); }
+
 void forward_item(void* ctx, int64_t item) {
   const ForwardPlan& plan = *static_cast<const ForwardPlan*>(ctx);
   const Problem& p = plan.f.p;
   const int split = int(item % plan.splits), rt = int(item / plan.splits);
-  const int r = rt / plan.nq, t = rt % plan.nq, np = plan.np;
+  const int r = rt / plan.nq, t = query_tile_of(plan, rt), np = plan.np;
   Tile tl = make_tile(p, r, t, 0);
   const int Dpad = round_up(p.D, 32), keys_max = round_up(p.block_k, 32);
   Buffer QT(int64_t(plan.amx ? Dpad : p.D) * np), ST(int64_t(keys_max) * np);
@@ -610,7 +614,7 @@ void forward_item(void* ctx, int64_t item) {
 void merge_item(void* ctx, int64_t rt) {
   const ForwardPlan& plan = *static_cast<const ForwardPlan*>(ctx);
   const Problem& p = plan.f.p;
-  Tile tl = make_tile(p, int(rt / plan.nq), int(rt % plan.nq), 0);
+  Tile tl = make_tile(p, int(rt / plan.nq), query_tile_of(plan, rt), 0);
   const int np = plan.np;
   Buffer merged(int64_t(np) * (2 + plan.dv_rows));
   float *m = merged.p, *l = m + np, *OT = l + np;

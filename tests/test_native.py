@@ -22,6 +22,7 @@ SHAPES = {  # (B, Hq, Hkv, Lq, Lk, D, Dv)
     "square": (2, 4, 2, 200, 200, 64, 64),
     "decode": (1, 8, 2, 1, 5000, 128, 128),  # few queries, many keys: the key-split path
     "odd": (1, 3, 1, 77, 131, 40, 24),
+    "split_query_tiles": (1, 2, 1, 200, 3000, 32, 32),  # key splits merged per query tile (nq > 1)
 }
 
 
@@ -158,6 +159,16 @@ def test_randomized_differential(problem):
     ref, ref_lse = qkv.attention(*tensors, backend="reference", return_lse=True, **kwargs)
     assert_within_rule(got, want, ref, dtype)
     assert_within_rule(lse, want_lse, ref_lse, "float32", "lse")
+
+
+@pytest.mark.parametrize("mask", [None, qkv.causal()])
+def test_key_splits_merge_into_their_own_query_tile(rng, mask):
+    """Few rows, many keys and several query tiles: every tile's key splits merge into it."""
+    q64, k64, v64 = (rng.standard_normal(s) for s in ((1, 2, 200, 32), (1, 1, 3000, 32), (1, 1, 3000, 32)))
+    arrays = [x.astype(np.float32) for x in (q64, k64, v64)]
+    got = qkv.attention(*arrays, mask, backend="native")
+    assert_within_rule(got, qkv.attention(q64, k64, v64, mask, backend="reference"),
+                       qkv.attention(*arrays, mask, backend="reference"), "float32")
 
 
 @pytest.mark.parametrize("mask", [None, "padding", "window", "alibi"])
