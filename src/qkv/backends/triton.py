@@ -193,8 +193,17 @@ def _launch(kernel: str, key: tuple, head_dim: int, dtype: str, run):
 # ---- calls --------------------------------------------------------------------------------
 @dataclass
 class _Call:
+    """One attention call: its inputs, its mask plan and (once made) their device arguments."""
+
     inp: object
     plan: _MaskPlan
+    _args: object = None
+
+    def device_args(self, q) -> "_DeviceArgs":
+        """Made on the first kernel launch and kept for the backward (one host-to-device copy)."""
+        if self._args is None:
+            self._args = _DeviceArgs(self, q)
+        return self._args
 
 
 def _pow2(n: int) -> int:
@@ -221,7 +230,7 @@ class _DeviceArgs:
         self.flags = dict(HAS_INTERVAL=plan.lo is not None, HAS_IDS=plan.ids is not None,
                           HAS_ALIBI=alibi is not None, HAS_SOFTCAP=softcap is not None)
 
-    def shapes(self, inp, q):
+    def shapes(self, inp):
         return dict(D=inp.D, DV=inp.Dv, GROUP=inp.group, BLOCK_D=_pow2(inp.D), BLOCK_DV=_pow2(inp.Dv),
                     DOT=_dot_mode(inp.dtype), **self.flags)
 
@@ -244,7 +253,7 @@ def _forward(call: _Call, q, k, v):
     from . import _triton_kernels as kernels
 
     inp = call.inp
-    args = _DeviceArgs(call, q)
+    args = call.device_args(q)
     out = torch.empty(inp.B, inp.Hq, inp.Lq, inp.Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(inp.B, inp.Hq, inp.Lq, dtype=torch.float32, device=q.device)
 
@@ -252,7 +261,7 @@ def _forward(call: _Call, q, k, v):
         kernels.attention_forward[(cdiv(inp.Lq, blocks.m), inp.B * inp.Hq)](
             q, k, v, out, lse, args.lo, args.hi, args.ids, args.kv_ids, args.slopes,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *args.strides,
-            inp.Hq, inp.Lq, inp.Lk, inp.scale, args.softcap, **args.shapes(inp, q),
+            inp.Hq, inp.Lq, inp.Lk, inp.scale, args.softcap, **args.shapes(inp),
             BLOCK_M=blocks.m, BLOCK_N=blocks.n, num_warps=blocks.warps, num_stages=blocks.stages)
 
     _launch("forward", _cache_key(inp, args), max(inp.D, inp.Dv), inp.dtype, run)
@@ -265,7 +274,7 @@ def _backward(call: _Call, q, k, v, out, lse, dout, dlse):
     from . import _triton_kernels as kernels
 
     inp, plan = call.inp, call.plan
-    args = _DeviceArgs(call, q)
+    args = call.device_args(q)
     delta = softmax_delta(out, dout, dlse).contiguous()  # (B, Hq, Lq)
     lse = lse.contiguous()
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
@@ -280,14 +289,14 @@ def _backward(call: _Call, q, k, v, out, lse, dout, dlse):
             q, k, v, dout, lse, delta, dk, dv, args.lo, args.hi, args.ids, args.kv_ids, args.slopes, first, end,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
             *args.strides, first.stride(0) if first.dim() == 2 else 0,
-            inp.Hq, inp.Hkv, inp.Lq, inp.Lk, inp.scale, args.softcap, **args.shapes(inp, q),
+            inp.Hq, inp.Hkv, inp.Lq, inp.Lk, inp.scale, args.softcap, **args.shapes(inp),
             BLOCK_M=blocks.m, BLOCK_N=blocks.n, num_warps=blocks.warps, num_stages=blocks.stages)
 
     def run_dq(blocks):
         kernels.attention_backward_dq[(cdiv(inp.Lq, blocks.m), inp.B * inp.Hq)](
             q, k, v, dout, lse, delta, dq, args.lo, args.hi, args.ids, args.kv_ids, args.slopes,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(), *args.strides,
-            inp.Hq, inp.Lq, inp.Lk, inp.scale, args.softcap, **args.shapes(inp, q),
+            inp.Hq, inp.Lq, inp.Lk, inp.scale, args.softcap, **args.shapes(inp),
             BLOCK_M=blocks.m, BLOCK_N=blocks.n, num_warps=blocks.warps, num_stages=blocks.stages)
 
     key = _cache_key(inp, args)
