@@ -220,7 +220,8 @@ def measure_workload(w: Workload, repeats: int, peers: bool, progress=None) -> l
             progress()
     for _ in range(repeats):  # interleaved: every implementation once per round
         for name, call in calls.items():
-            time.sleep(SETTLE_SECONDS)
+            if w.device == "cpu":
+                time.sleep(SETTLE_SECONDS)
             start = time.perf_counter()
             call()
             sync()

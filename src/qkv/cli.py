@@ -25,7 +25,8 @@ def cmd_info(args) -> int:
         caps = backend.caps
         auto = "" if backend.automatic and not caps.materializes else " [never automatic]"
         print(f"  {name:<10} {state}{auto}")
-        print(f"  {'':<10} arrays {'/'.join(caps.kinds)}, dtypes {', '.join(caps.dtypes)}, "
+        devices = f" on {'/'.join(caps.devices)}" if caps.devices else ""
+        print(f"  {'':<10} arrays {'/'.join(caps.kinds)}{devices}, dtypes {', '.join(caps.dtypes)}, "
               f"grad {'yes' if caps.gradients else 'no'}, dropout {'yes' if caps.dropout else 'no'}")
     return 0
 
