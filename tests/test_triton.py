@@ -77,6 +77,7 @@ def test_forward_masks_and_modifiers(rng, dtype, case):
 
 SHAPES = {
     "single": dict(B=1, Hq=1, Hkv=1, Lq=1, Lk=1, D=16, Dv=16),
+    "lk_one_short_of_a_block": dict(B=1, Hq=2, Hkv=1, Lq=70, Lk=31, D=16, Dv=16),  # key bounds clipped to Lk
     "decode_gqa": dict(B=1, Hq=4, Hkv=1, Lq=1, Lk=77, D=32, Dv=32),
     "lq_gt_lk": dict(B=1, Hq=2, Hkv=2, Lq=70, Lk=19, D=8, Dv=8),
     "odd_dims": dict(B=2, Hq=3, Hkv=1, Lq=33, Lk=65, D=17, Dv=5),
@@ -91,6 +92,15 @@ if ON_GPU:
 @pytest.mark.parametrize("shape", SHAPES)
 def test_forward_shapes(rng, shape, causal):
     check_forward(rng, "float16" if ON_GPU else "float32", dict(mask=qkv.causal()) if causal else {}, **SHAPES[shape])
+
+
+@pytest.mark.parametrize("mask", [qkv.causal(align="top_left"), qkv.window(3, None)])
+def test_key_bounds_past_the_last_key_never_widen_a_full_tile(rng, mask):
+    """Bounds clipped to Lk (top-left causal with Lq > Lk, an unbounded window) with Lk one
+    short of a whole block (31 here; 127 on a GPU): no FULL tile may reach past the keys."""
+    check_forward(rng, "float32", dict(mask=mask), Lq=70, Lk=127 if ON_GPU else 31)
+    check_gradients("triton", qkv_of(rng, "float32", requires_grad=True, Lq=70, Lk=127 if ON_GPU else 31),
+                    dict(mask=mask), rng)
 
 
 GRAD_CASES = ["none", "causal", "causal_top_left", "padding_empty_rows", "document_sorted", "document_unsorted",

@@ -81,8 +81,10 @@ def _key_range(lo, hi, row_ok, Lk, BLOCK_N: tl.constexpr, HAS_INTERVAL: tl.const
         live = row_ok & (lo <= hi)
         start = (tl.maximum(tl.min(tl.where(live, lo, Lk), 0), 0) // BLOCK_N) * BLOCK_N
         end = tl.minimum(tl.max(tl.where(live, hi, -1), 0) + 1, Lk)
-        every_row_lo = tl.max(tl.where(row_ok, lo, 0), 0)  # keys [every_row_lo, every_row_hi] are
-        every_row_hi = tl.min(tl.where(row_ok, hi, Lk - 1), 0)  # allowed for every row of the block
+        # keys [every_row_lo, every_row_hi] are allowed for every row of the block (bounds are
+        # clipped to [-1, Lk], so hi may be Lk: one past the last key)
+        every_row_lo = tl.max(tl.where(row_ok, lo, 0), 0)
+        every_row_hi = tl.minimum(tl.min(tl.where(row_ok, hi, Lk - 1), 0), Lk - 1)
         full_start = tl.maximum(tl.cdiv(every_row_lo, BLOCK_N) * BLOCK_N, start)
         full_end = tl.maximum(((every_row_hi + 1) // BLOCK_N) * BLOCK_N, full_start)
     if HAS_IDS:
