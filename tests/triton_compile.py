@@ -31,11 +31,17 @@ def signature(fn, dtype: str, constants: dict) -> dict:
     return {name: kind(name) for name in fn.arg_names}
 
 
-def compile_kernel(fn, blocks, arch: int, dtype="bf16", head_dim=128, every_feature=True) -> int:
+#: Triton compiles an int argument equal to 1 as a constant: decoding (Lq = 1), one key, one head.
+ONES = dict(Lq=1, Lk=1, Hq=1)
+
+
+def compile_kernel(fn, blocks, arch: int, dtype="bf16", head_dim=128, every_feature=True, ones=False) -> int:
     flags = dict(HAS_INTERVAL=every_feature, HAS_IDS=every_feature, HAS_ALIBI=every_feature,
                  HAS_SOFTCAP=every_feature)
     constants = dict(D=head_dim, DV=head_dim, GROUP=2, BLOCK_M=blocks.m, BLOCK_N=blocks.n, BLOCK_D=head_dim,
                      BLOCK_DV=head_dim, DOT="ieee" if dtype == "fp32" else "native", **flags)
+    if ones:
+        constants.update({k: v for k, v in ONES.items() if k in fn.arg_names})
     source = ASTSource(fn=fn, signature=signature(fn, dtype, constants), constexprs=constants)
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
                               options=dict(num_warps=blocks.warps, num_stages=blocks.stages))
@@ -45,9 +51,10 @@ def compile_kernel(fn, blocks, arch: int, dtype="bf16", head_dim=128, every_feat
 def main(arch: int) -> None:
     for name, fn in (("forward", kernels.attention_forward), ("dkdv", kernels.attention_backward_dkdv),
                      ("dq", kernels.attention_backward_dq)):
-        for every_feature in (False, True):
-            shared = compile_kernel(fn, LADDERS[name][128][0], arch, every_feature=every_feature)
-            print(name, "masks+mods" if every_feature else "plain", shared, flush=True)
+        for variant in ("plain", "masks+mods", "ones"):
+            shared = compile_kernel(fn, LADDERS[name][128][0], arch, every_feature=variant == "masks+mods",
+                                    ones=variant == "ones")
+            print(name, variant, shared, flush=True)
 
 
 if __name__ == "__main__":

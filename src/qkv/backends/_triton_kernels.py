@@ -100,15 +100,17 @@ def _load_rows(ptr, offs, n, other):
 
 @triton.jit
 def _load_tile(ptr, offs_r, offs_c, stride_r, stride_c, n_r, n_c):
-    """ptr[r, c] for rows offs_r < n_r and columns offs_c < n_c (zeros elsewhere)."""
+    """ptr[r, c] for rows offs_r < n_r and columns offs_c < n_c (zeros elsewhere). Row offsets
+    are 64-bit: one head of a (B, L, H, D) layout can span more than 2^31 elements."""
     mask = (offs_r[:, None] < n_r) & (offs_c[None, :] < n_c)
-    return tl.load(ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, mask=mask, other=0.0)
+    return tl.load(ptr + offs_r[:, None].to(tl.int64) * stride_r + offs_c[None, :] * stride_c, mask=mask,
+                   other=0.0)
 
 
 @triton.jit
 def _store_tile(ptr, value, offs_r, offs_c, stride_r, stride_c, n_r, n_c):
     mask = (offs_r[:, None] < n_r) & (offs_c[None, :] < n_c)
-    tl.store(ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, value, mask=mask)
+    tl.store(ptr + offs_r[:, None].to(tl.int64) * stride_r + offs_c[None, :] * stride_c, value, mask=mask)
 
 
 @triton.jit
@@ -176,11 +178,10 @@ def attention_forward(Q, K, V, O, LSE, LO, HI, QID, KID, SLOPES,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                       DOT: tl.constexpr, HAS_INTERVAL: tl.constexpr, HAS_IDS: tl.constexpr,
                       HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
-    """One (query block, batch x query head): O (B, Hq, Lq, Dv) and LSE (B, Hq, Lq) float32."""
+    """Program (query block, query head, batch row): O (B, Hq, Lq, Dv), LSE (B, Hq, Lq) float32."""
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // Hq).to(tl.int64)
-    h = pid_bh % Hq
+    h = tl.program_id(1).to(tl.int64)  # 64-bit: head and batch offsets can pass 2^31
+    b = tl.program_id(2).to(tl.int64)
     hk = h // GROUP
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < Lq
@@ -250,11 +251,10 @@ def attention_backward_dq(Q, K, V, DO, LSE, DELTA, GRAD_Q, LO, HI, QID, KID, SLO
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_DV: tl.constexpr, DOT: tl.constexpr, HAS_INTERVAL: tl.constexpr,
                           HAS_IDS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
-    """One (query block, batch x query head): DQ, walking the same key range as the forward."""
+    """Program (query block, query head, batch row): DQ, walking the same key range as the forward."""
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // Hq).to(tl.int64)
-    h = pid_bh % Hq
+    h = tl.program_id(1).to(tl.int64)  # 64-bit: head and batch offsets can pass 2^31
+    b = tl.program_id(2).to(tl.int64)
     hk = h // GROUP
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -302,19 +302,18 @@ def attention_backward_dkdv(Q, K, V, DO, LSE, DELTA, GRAD_K, GRAD_V, LO, HI, QID
                             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                             sdob, sdoh, sdom, sdod, sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
                             s_interval_b, s_qid_b, s_kid_b, s_qrange_b,
-                            Hq, Hkv, Lq, Lk, sm_scale, softcap,
+                            Hq, Lq, Lk, sm_scale, softcap,
                             D: tl.constexpr, DV: tl.constexpr, GROUP: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                             BLOCK_DV: tl.constexpr, DOT: tl.constexpr, HAS_INTERVAL: tl.constexpr,
                             HAS_IDS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
-    """One (key block, batch x kv head): DK and DV summed over the GROUP query heads sharing it.
+    """Program (key block, kv head, batch row): DK and DV summed over the GROUP query heads sharing it.
 
     QFIRST/QEND (B|1, nk) bound the query blocks whose keys intervals reach this key block.
     """
     pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // Hkv).to(tl.int64)
-    hk = pid_bh % Hkv
+    hk = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)

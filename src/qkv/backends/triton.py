@@ -13,6 +13,7 @@ interpreter (slow; for tests). It is then chosen only when named.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -235,6 +236,13 @@ class _DeviceArgs:
                     DOT=_dot_mode(inp.dtype), **self.flags)
 
 
+def _on_device(q):
+    """Triton launches on the current CUDA device: make it the inputs' one."""
+    import torch
+
+    return torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
+
+
 def _dot_mode(dtype: str) -> str:
     """How the kernels multiply (see _triton_kernels._dot)."""
     if dtype == "float32":
@@ -258,13 +266,14 @@ def _forward(call: _Call, q, k, v):
     lse = torch.empty(inp.B, inp.Hq, inp.Lq, dtype=torch.float32, device=q.device)
 
     def run(blocks):
-        kernels.attention_forward[(cdiv(inp.Lq, blocks.m), inp.B * inp.Hq)](
+        kernels.attention_forward[(cdiv(inp.Lq, blocks.m), inp.Hq, inp.B)](
             q, k, v, out, lse, args.lo, args.hi, args.ids, args.kv_ids, args.slopes,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *args.strides,
             inp.Hq, inp.Lq, inp.Lk, inp.scale, args.softcap, **args.shapes(inp),
             BLOCK_M=blocks.m, BLOCK_N=blocks.n, num_warps=blocks.warps, num_stages=blocks.stages)
 
-    _launch("forward", _cache_key(inp, args), max(inp.D, inp.Dv), inp.dtype, run)
+    with _on_device(q):
+        _launch("forward", _cache_key(inp, args), max(inp.D, inp.Dv), inp.dtype, run)
     return out, lse
 
 
@@ -285,21 +294,22 @@ def _backward(call: _Call, q, k, v, out, lse, dout, dlse):
         else:
             first, end = (torch.from_numpy(x).to(q.device) for x in
                           query_block_ranges(plan.lo, plan.hi, inp.Lq, inp.Lk, blocks.m, blocks.n))
-        kernels.attention_backward_dkdv[(cdiv(inp.Lk, blocks.n), inp.B * inp.Hkv)](
+        kernels.attention_backward_dkdv[(cdiv(inp.Lk, blocks.n), inp.Hkv, inp.B)](
             q, k, v, dout, lse, delta, dk, dv, args.lo, args.hi, args.ids, args.kv_ids, args.slopes, first, end,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
             *args.strides, first.stride(0) if first.dim() == 2 else 0,
-            inp.Hq, inp.Hkv, inp.Lq, inp.Lk, inp.scale, args.softcap, **args.shapes(inp),
+            inp.Hq, inp.Lq, inp.Lk, inp.scale, args.softcap, **args.shapes(inp),
             BLOCK_M=blocks.m, BLOCK_N=blocks.n, num_warps=blocks.warps, num_stages=blocks.stages)
 
     def run_dq(blocks):
-        kernels.attention_backward_dq[(cdiv(inp.Lq, blocks.m), inp.B * inp.Hq)](
+        kernels.attention_backward_dq[(cdiv(inp.Lq, blocks.m), inp.Hq, inp.B)](
             q, k, v, dout, lse, delta, dq, args.lo, args.hi, args.ids, args.kv_ids, args.slopes,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(), *args.strides,
             inp.Hq, inp.Lq, inp.Lk, inp.scale, args.softcap, **args.shapes(inp),
             BLOCK_M=blocks.m, BLOCK_N=blocks.n, num_warps=blocks.warps, num_stages=blocks.stages)
 
     key = _cache_key(inp, args)
-    _launch("dkdv", key, max(inp.D, inp.Dv), inp.dtype, run_dkdv)
-    _launch("dq", key, max(inp.D, inp.Dv), inp.dtype, run_dq)
+    with _on_device(q):
+        _launch("dkdv", key, max(inp.D, inp.Dv), inp.dtype, run_dkdv)
+        _launch("dq", key, max(inp.D, inp.Dv), inp.dtype, run_dq)
     return dq, dk, dv
