@@ -318,7 +318,7 @@ def add_arguments(parser) -> None:
                              "suite becomes bfloat16 forward and backward at head dims 64 and 128, L 512 to 16k")
     parser.add_argument("--causal", action="store_true", help="--shape workloads are causal")
     parser.add_argument("--backward", action="store_true", help="--shape workloads include the backward")
-    parser.add_argument("--sweep", action="store_true", help="also sweep the sequence length (for --plot)")
+    parser.add_argument("--sweep", action="store_true", help="also sweep the sequence length (for --plot; CPU)")
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds per workload (median reported)")
     parser.add_argument("--no-peers", action="store_true", help="skip torch flex_attention (slow to compile)")
     parser.add_argument("--json", metavar="PATH", help="write every result and the machine as JSON")
@@ -345,7 +345,7 @@ def run(args) -> int:
     for w in args.shape:
         w.dtype = args.dtype or w.dtype
         w.causal, w.backward, w.device = args.causal, args.backward, args.device
-    if args.sweep:
+    if args.sweep and args.device == "cpu":  # the cuda suite sweeps the length already
         workloads = workloads + sweep_suite()
     info = machine()
     if args.device == "cuda":
