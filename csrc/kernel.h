@@ -772,11 +772,6 @@ inline void probabilities_and_score_grads(const BackwardPlan& plan, const Tile& 
   }
 }
 
-inline void transpose(int rows, int cols, const float* src, int ld_src, float* dst, int ld_dst) {
-  for (int i = 0; i < rows; ++i)
-    for (int c = 0; c < cols; ++c) dst[int64_t(c) * ld_dst + i] = src[int64_t(i) * ld_src + c];
-}
-
 inline void store_rows(const Problem& p, void* base, int64_t first_row, int count, int n, const float* src, int ld) {
   for (int c = 0; c < count; ++c) {
     const float* s = src + int64_t(c) * ld;
@@ -792,9 +787,9 @@ inline void store_rows(const Problem& p, void* base, int64_t first_row, int coun
 
 // Scratch of one thread for one (query tile, key tile) pair.
 struct PairScratch {
-  Buffer S, dP, T;
+  Buffer S, dP;
   explicit PairScratch(const BackwardPlan& plan)
-      : S(int64_t(plan.n_max) * plan.bkp), dP(int64_t(plan.n_max) * plan.bkp), T(int64_t(plan.bkp) * plan.n_max) {}
+      : S(int64_t(plan.n_max) * plan.bkp), dP(int64_t(plan.n_max) * plan.bkp) {}
 };
 
 // The gradients one (query tile t, key tile j) pair of row r contributes: dQ_t += dS·K and,

@@ -98,7 +98,8 @@ def implementations(w: Workload, peers: bool = True) -> dict:
             impls["torch flex (compiled)"] = _flex_impl(w)
         return impls
     for name, backend in dispatch.REGISTRY.items():
-        if backend.automatic and backend.runs_on_cpu and backend.missing() is None and w.dtype in backend.caps.dtypes:
+        runs_here = backend.ever_automatic and backend.runs_on_cpu and backend.missing() is None
+        if runs_here and w.dtype in backend.caps.dtypes:
             if name == "numpy" and (w.backward or w.dtype != "float32" or w.flops() > 2e11):
                 continue  # the NumPy backend has no autograd; skip the slow giant runs
             impls[f"qkv {name}"] = _qkv_impl(w, name)

@@ -23,7 +23,7 @@ def cmd_info(args) -> int:
         missing = backend.missing()
         state = "available" if missing is None else f"unavailable: {missing}"
         caps = backend.caps
-        auto = "" if backend.automatic and not caps.materializes else " [never automatic]"
+        auto = "" if backend.ever_automatic else " [never automatic]"
         print(f"  {name:<10} {state}{auto}")
         devices = f" on {'/'.join(caps.devices)}" if caps.devices else ""
         print(f"  {'':<10} arrays {'/'.join(caps.kinds)}{devices}, dtypes {', '.join(caps.dtypes)}, "

@@ -66,11 +66,14 @@ class Backend:
         """Whether it is a CPU implementation (what CPU-only tests, checks and benchmarks run)."""
         return not self.caps.devices or "cpu" in self.caps.devices
 
+    @property
+    def ever_automatic(self) -> bool:
+        """Whether `backend=None` may ever pick it (never for one holding the Lq x Lk matrix)."""
+        return self.automatic and not self.caps.materializes
+
     def automatic_refusal(self, inp) -> str | None:
         """Why `backend=None` must not pick this backend for these inputs (it may still be named)."""
-        if not self.automatic or self.caps.materializes:
-            return "never chosen automatically (holds the Lq x Lk matrix)"
-        return None
+        return None if self.ever_automatic else "never chosen automatically (holds the Lq x Lk matrix)"
 
     def block_sizes(self, inp) -> tuple[int, int] | None:
         """(block_q, block_k) of a tiled kernel for these inputs; None if it does not tile."""

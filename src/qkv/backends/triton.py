@@ -218,8 +218,9 @@ class _DeviceArgs:
         import torch
 
         inp, plan = call.inp, call.plan
+        self.device = q.device
         self.dummy = torch.zeros(1, dtype=torch.int32, device=q.device)
-        put = lambda x: self.dummy if x is None else torch.from_numpy(np.ascontiguousarray(x)).to(q.device)  # noqa: E731
+        put = self.to_device
         self.lo, self.hi, self.ids, self.kv_ids = (put(x) for x in (plan.lo, plan.hi, plan.ids, plan.kv_ids))
         alibi = next((m for m in inp.score_mods if isinstance(m, Alibi)), None)
         softcap = next((m for m in inp.score_mods if isinstance(m, Softcap)), None)
@@ -230,6 +231,12 @@ class _DeviceArgs:
                         self.kv_ids.stride(0) if plan.kv_ids is not None and plan.kv_ids.shape[0] > 1 else 0)
         self.flags = dict(HAS_INTERVAL=plan.lo is not None, HAS_IDS=plan.ids is not None,
                           HAS_ALIBI=alibi is not None, HAS_SOFTCAP=softcap is not None)
+
+    def to_device(self, array):
+        """A NumPy array on the inputs' device; the dummy for None."""
+        import torch
+
+        return self.dummy if array is None else torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
 
     def shapes(self, inp):
         return dict(D=inp.D, DV=inp.Dv, GROUP=inp.group, BLOCK_D=_pow2(inp.D), BLOCK_DV=_pow2(inp.Dv),
@@ -292,8 +299,7 @@ def _backward(call: _Call, q, k, v, out, lse, dout, dlse):
         if plan.lo is None:
             first = end = args.dummy
         else:
-            first, end = (torch.from_numpy(x).to(q.device) for x in
-                          query_block_ranges(plan.lo, plan.hi, inp.Lq, inp.Lk, blocks.m, blocks.n))
+            first, end = map(args.to_device, query_block_ranges(plan.lo, plan.hi, inp.Lq, inp.Lk, blocks.m, blocks.n))
         kernels.attention_backward_dkdv[(cdiv(inp.Lk, blocks.n), inp.Hkv, inp.B)](
             q, k, v, dout, lse, delta, dk, dv, args.lo, args.hi, args.ids, args.kv_ids, args.slopes, first, end,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
