@@ -89,17 +89,19 @@ struct Operand {
   int64_t rs, cs;  // element strides of rows and columns
 };
 
-template <int MR, int NV>
-inline void micro(int K, Operand A, const float* B, int ldb, float* C, int ldc, bool add) {
+// add is a template parameter so the accumulators start in registers with no branch, and
+// A's pointer and strides travel in registers (an Operand by value would go through memory).
+template <int MR, int NV, bool ADD>
+inline void micro(int K, const float* A, int64_t ars, int64_t acs, const float* B, int ldb, float* C, int ldc) {
   Vec c[MR][NV];
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) c[r][v] = add ? Vec::load(C + r * ldc + v * W) : Vec::zero();
+    for (int v = 0; v < NV; ++v) c[r][v] = ADD ? Vec::load(C + r * ldc + v * W) : Vec::zero();
   for (int k = 0; k < K; ++k) {
     Vec b[NV];
     for (int v = 0; v < NV; ++v) b[v] = Vec::load(B + int64_t(k) * ldb + v * W);
-    const float* a = A.p + k * A.cs;
+    const float* a = A + k * acs;
     for (int r = 0; r < MR; ++r) {
-      Vec x = Vec::set1(a[r * A.rs]);
+      Vec x = Vec::set1(a[r * ars]);
       for (int v = 0; v < NV; ++v) c[r][v] = Vec::fma(x, b[v], c[r][v]);
     }
   }
@@ -107,38 +109,43 @@ inline void micro(int K, Operand A, const float* B, int ldb, float* C, int ldc, 
     for (int v = 0; v < NV; ++v) c[r][v].store(C + r * ldc + v * W);
 }
 
-template <int NV>
-inline void gemm_columns(int M, int K, Operand A, const float* B, int ldb, float* C, int ldc, bool add) {
+template <int NV, bool ADD>
+inline void gemm_columns(int M, int K, Operand A, const float* B, int ldb, float* C, int ldc) {
   constexpr int MR = NV >= 4 ? 6 : 8;
   int i = 0;
-  for (; i + MR <= M; i += MR)
-    micro<MR, NV>(K, {A.p + i * A.rs, A.rs, A.cs}, B, ldb, C + int64_t(i) * ldc, ldc, add);
-  const Operand rest{A.p + i * A.rs, A.rs, A.cs};
+  for (; i + MR <= M; i += MR) micro<MR, NV, ADD>(K, A.p + i * A.rs, A.rs, A.cs, B, ldb, C + int64_t(i) * ldc, ldc);
+  const float* a = A.p + i * A.rs;
   float* c = C + int64_t(i) * ldc;
   switch (M - i) {  // the last rows in one block too, so B is loaded once per k for them
-    case 7: micro<7, NV>(K, rest, B, ldb, c, ldc, add); break;
-    case 6: micro<6, NV>(K, rest, B, ldb, c, ldc, add); break;
-    case 5: micro<5, NV>(K, rest, B, ldb, c, ldc, add); break;
-    case 4: micro<4, NV>(K, rest, B, ldb, c, ldc, add); break;
-    case 3: micro<3, NV>(K, rest, B, ldb, c, ldc, add); break;
-    case 2: micro<2, NV>(K, rest, B, ldb, c, ldc, add); break;
-    case 1: micro<1, NV>(K, rest, B, ldb, c, ldc, add); break;
+    case 7: micro<7, NV, ADD>(K, a, A.rs, A.cs, B, ldb, c, ldc); break;
+    case 6: micro<6, NV, ADD>(K, a, A.rs, A.cs, B, ldb, c, ldc); break;
+    case 5: micro<5, NV, ADD>(K, a, A.rs, A.cs, B, ldb, c, ldc); break;
+    case 4: micro<4, NV, ADD>(K, a, A.rs, A.cs, B, ldb, c, ldc); break;
+    case 3: micro<3, NV, ADD>(K, a, A.rs, A.cs, B, ldb, c, ldc); break;
+    case 2: micro<2, NV, ADD>(K, a, A.rs, A.cs, B, ldb, c, ldc); break;
+    case 1: micro<1, NV, ADD>(K, a, A.rs, A.cs, B, ldb, c, ldc); break;
     default: break;
   }
 }
 
-inline void gemm(int M, int N, int K, Operand A, const float* B, int ldb, float* C, int ldc, bool add) {
+template <bool ADD>
+inline void gemm_into(int M, int N, int K, Operand A, const float* B, int ldb, float* C, int ldc) {
   for (int j = 0; j < N;) {
     int vectors = (N - j) / W;
     int nv = vectors >= 4 ? 4 : vectors;
     switch (nv) {
-      case 4: gemm_columns<4>(M, K, A, B + j, ldb, C + j, ldc, add); break;
-      case 3: gemm_columns<3>(M, K, A, B + j, ldb, C + j, ldc, add); break;
-      case 2: gemm_columns<2>(M, K, A, B + j, ldb, C + j, ldc, add); break;
-      default: gemm_columns<1>(M, K, A, B + j, ldb, C + j, ldc, add); break;
+      case 4: gemm_columns<4, ADD>(M, K, A, B + j, ldb, C + j, ldc); break;
+      case 3: gemm_columns<3, ADD>(M, K, A, B + j, ldb, C + j, ldc); break;
+      case 2: gemm_columns<2, ADD>(M, K, A, B + j, ldb, C + j, ldc); break;
+      default: gemm_columns<1, ADD>(M, K, A, B + j, ldb, C + j, ldc); break;
     }
     j += nv * W;
   }
+}
+
+inline void gemm(int M, int N, int K, Operand A, const float* B, int ldb, float* C, int ldc, bool add) {
+  if (add) gemm_into<true>(M, N, K, A, B, ldb, C, ldc);
+  else gemm_into<false>(M, N, K, A, B, ldb, C, ldc);
 }
 
 inline Operand rows_of(const float* p, int ld) { return {p, ld, 1}; }
@@ -234,11 +241,21 @@ inline Operand key_rows(const Strided4& t, qkv::DType dt, int b, int h, int k0, 
 
 inline Operand transposed(Operand a) { return {a.p, a.cs, a.rs}; }
 
+// The maxima over `cols` rows of ST (rows of np floats) of the W columns from q on. Four
+// independent chains, since one would wait on the latency of every max.
+inline Vec column_max(const float* ST, int cols, int np, int q) {
+  Vec mx[4] = {Vec::set1(NEG_INF), Vec::set1(NEG_INF), Vec::set1(NEG_INF), Vec::set1(NEG_INF)};
+  int c = 0;
+  for (; c + 4 <= cols; c += 4)
+    for (int u = 0; u < 4; ++u) mx[u] = Vec::max(mx[u], Vec::load(ST + int64_t(c + u) * np + q));
+  for (; c < cols; ++c) mx[0] = Vec::max(mx[0], Vec::load(ST + int64_t(c) * np + q));
+  return Vec::max(Vec::max(mx[0], mx[1]), Vec::max(mx[2], mx[3]));
+}
+
 // Fold one tile of transposed scores ST (cols x np) into m, l (np) and OT (Dv x np); ST becomes Pᵀ.
 inline void online_softmax_columns(int cols, int np, int Dv, float* ST, float* m, float* l, float* OT) {
   for (int q = 0; q < np; q += W) {
-    Vec mx = Vec::set1(NEG_INF);
-    for (int c = 0; c < cols; ++c) mx = Vec::max(mx, Vec::load(ST + int64_t(c) * np + q));
+    const Vec mx = column_max(ST, cols, np, q);
     Vec m_old = Vec::load(m + q), m_new = Vec::max(m_old, mx);
     Vec shift = Vec::finite_or_zero(m_new);  // columns with nothing allowed yet shift by 0
     Vec alpha = Vec::exp(m_old - shift), sum = Vec::zero();
@@ -400,8 +417,7 @@ inline void softmax_to_bf16_pairs(int cols, int keys_pad, int np, int Dv, const 
                                               22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const Vec scaled = Vec::set1(scale);
   for (int q = 0; q < np; q += W) {
-    Vec mx = Vec::set1(NEG_INF);
-    for (int c = 0; c < cols; ++c) mx = Vec::max(mx, Vec::load(ST + int64_t(c) * np + q));
+    const Vec mx = column_max(ST, cols, np, q);
     Vec m_old = Vec::load(m + q), m_new = Vec::max(m_old, mx * scaled);
     Vec shift = Vec::finite_or_zero(m_new);  // columns with nothing allowed yet shift by 0
     Vec alpha = Vec::exp(m_old - shift), sum = Vec::zero();

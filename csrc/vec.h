@@ -14,6 +14,12 @@
 
 namespace QKV_ISA_NS {
 
+// 2^f ~ 1 + C1 f + ... + C6 f^6 on |f| <= 1/2 (a near-minimax fit in relative error).
+constexpr float EXP2_C1 = 0.6931471824645996f, EXP2_C2 = 0.24022647738456726f, EXP2_C3 = 0.055503323674201965f,
+                EXP2_C4 = 0.00961843691766262f, EXP2_C5 = 0.0013398875016719103f,
+                EXP2_C6 = 0.00015353361959569156f;
+constexpr float LOG2E = 1.4426950408889634f;
+
 #if defined(QKV_AVX512)
 struct Vec {
   static constexpr int W = 16;
@@ -34,23 +40,21 @@ struct Vec {
   }
   float reduce_max() const { return _mm512_reduce_max_ps(v); }
   float reduce_add() const { return _mm512_reduce_add_ps(v); }
-  // exp(x) for x <= 0 (scores minus their row max); 0 below the float range, NaN stays NaN.
+  // exp(x) for x <= 0 (scores minus their row max); 0 below the float range (no denormals)
+  // and for -inf, NaN stays NaN. exp(x) = 2^t = 2^n * 2^f with t = x * log2(e), n = round(t),
+  // |f| <= 1/2, and 2^f by a degree-6 polynomial.
   static Vec exp(Vec x) {
-    const __m512 log2e = _mm512_set1_ps(1.44269504f), ln2_hi = _mm512_set1_ps(0.693359375f),
-                 ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x.v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x.v);
-    r = _mm512_fnmadd_ps(n, ln2_lo, r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    __m512 y = _mm512_scalef_ps(p, n);
-    __mmask16 tiny = _mm512_cmp_ps_mask(x.v, _mm512_set1_ps(-87.3f), _CMP_LT_OQ);  // also -inf
-    return {_mm512_mask_blend_ps(tiny, y, _mm512_setzero_ps())};
+    __m512 t = _mm512_mul_ps(x.v, _mm512_set1_ps(LOG2E));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(EXP2_C6), f, _mm512_set1_ps(EXP2_C5));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C4));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C3));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C2));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C1));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    __mmask16 in_range = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.f), _CMP_NLT_UQ);  // NaN too
+    return {_mm512_maskz_scalef_ps(in_range, p, n)};
   }
 };
 #elif defined(QKV_AVX2)
@@ -82,21 +86,18 @@ struct Vec {
     return _mm_cvtss_f32(s);
   }
   static Vec exp(Vec x) {
-    const __m256 log2e = _mm256_set1_ps(1.44269504f), ln2_hi = _mm256_set1_ps(0.693359375f),
-                 ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
-    __m256 tiny = _mm256_cmp_ps(x.v, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
-    __m256 xc = _mm256_max_ps(x.v, _mm256_set1_ps(-87.3f));  // keeps 2^n in range; NaN passes through
-    xc = _mm256_blendv_ps(xc, x.v, _mm256_cmp_ps(x.v, x.v, _CMP_UNORD_Q));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, ln2_hi, xc);
-    r = _mm256_fnmadd_ps(n, ln2_lo, r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    const __m256 t = _mm256_mul_ps(x.v, _mm256_set1_ps(LOG2E));
+    __m256 tiny = _mm256_cmp_ps(t, _mm256_set1_ps(-126.f), _CMP_LT_OQ);  // also -inf
+    __m256 tc = _mm256_max_ps(t, _mm256_set1_ps(-126.f));  // keeps 2^n in range; NaN passes through
+    tc = _mm256_blendv_ps(tc, t, _mm256_cmp_ps(t, t, _CMP_UNORD_Q));
+    __m256 n = _mm256_round_ps(tc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_sub_ps(tc, n);
+    __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(EXP2_C6), f, _mm256_set1_ps(EXP2_C5));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C4));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C3));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C2));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C1));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
     return {_mm256_blendv_ps(y, _mm256_setzero_ps(), tiny)};
