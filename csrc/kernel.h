@@ -426,9 +426,8 @@ inline void softmax_to_bf16_pairs(int cols, int keys_pad, int np, int Dv, const 
       Vec even = c < cols ? Vec::exp(Vec::fma(Vec::load(ST + int64_t(c) * np + q), scaled, neg_shift)) : Vec::zero();
       Vec odd = c + 1 < cols ? Vec::exp(Vec::fma(Vec::load(ST + int64_t(c + 1) * np + q), scaled, neg_shift))
                              : Vec::zero();
-      sum = sum + even + odd;
-      __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(even.v)),
-                                        (__m256i)_mm512_cvtneps_pbh(odd.v), 1);
+      sum = sum + (even + odd);  // one add on the loop-carried chain
+      __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd.v, even.v);  // words 0-15: even, 16-31: odd
       _mm512_storeu_si512(PB + int64_t(c / 2) * np * 2 + q * 2, _mm512_permutexvar_epi16(interleave, both));
     }
     (Vec::load(l + q) * alpha + sum).store(l + q);
