@@ -29,6 +29,7 @@ constexpr int W = Vec::W;
 
 inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
 inline int imin(int a, int b) { return a < b ? a : b; }
+inline int imax(int a, int b) { return a > b ? a : b; }
 inline int cdiv(int a, int b) { return (a + b - 1) / b; }
 
 // ---- buffers ---------------------------------------------------------------------------
@@ -198,9 +199,11 @@ inline void apply_rule(const Tile& tl, float* S, int64_t rs, int64_t cs) {
     }
     if (partial && p.mask.lo) {
       int64_t at = tl.b * p.mask.lohi_bstride + i;
-      int lo = p.mask.lo[at] - tl.k0, hi = p.mask.hi[at] - tl.k0;
-      for (int c = 0; c < tl.cols; ++c)
-        if (c < lo || c > hi) s[c * cs] = NEG_INF;
+      // allowed: keys [first, end) of the tile; no per-key test, so no mispredicted branches
+      const int first = imin(imax(p.mask.lo[at] - tl.k0, 0), tl.cols);
+      const int end = imin(imax(p.mask.hi[at] - tl.k0 + 1, first), tl.cols);
+      for (int c = 0; c < first; ++c) s[c * cs] = NEG_INF;
+      for (int c = end; c < tl.cols; ++c) s[c * cs] = NEG_INF;
     } else if (bitmap) {
       const uint8_t* allowed = bitmap + (int64_t(rr / tl.rows) * p.block_q + rr % tl.rows) * p.block_k;
       for (int c = 0; c < tl.cols; ++c)
