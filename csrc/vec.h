@@ -20,6 +20,17 @@ constexpr float EXP2_C1 = 0.6931471824645996f, EXP2_C2 = 0.24022647738456726f, E
                 EXP2_C6 = 0.00015353361959569156f;
 constexpr float LOG2E = 1.4426950408889634f;
 
+// 2^f for |f| <= 1/2, by Horner's rule, for any of the vector types below.
+template <class V>
+inline V exp2_fraction(V f) {
+  V p = V::fma(V::set1(EXP2_C6), f, V::set1(EXP2_C5));
+  p = V::fma(p, f, V::set1(EXP2_C4));
+  p = V::fma(p, f, V::set1(EXP2_C3));
+  p = V::fma(p, f, V::set1(EXP2_C2));
+  p = V::fma(p, f, V::set1(EXP2_C1));
+  return V::fma(p, f, V::set1(1.f));
+}
+
 #if defined(QKV_AVX512)
 struct Vec {
   static constexpr int W = 16;
@@ -46,13 +57,7 @@ struct Vec {
   static Vec exp(Vec x) {
     __m512 t = _mm512_mul_ps(x.v, _mm512_set1_ps(LOG2E));
     __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(EXP2_C6), f, _mm512_set1_ps(EXP2_C5));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C4));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C3));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C2));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C1));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    __m512 p = exp2_fraction(Vec{_mm512_sub_ps(t, n)}).v;
     __mmask16 in_range = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.f), _CMP_NLT_UQ);  // NaN too
     return {_mm512_maskz_scalef_ps(in_range, p, n)};
   }
@@ -91,13 +96,7 @@ struct Vec {
     __m256 tc = _mm256_max_ps(t, _mm256_set1_ps(-126.f));  // keeps 2^n in range; NaN passes through
     tc = _mm256_blendv_ps(tc, t, _mm256_cmp_ps(t, t, _CMP_UNORD_Q));
     __m256 n = _mm256_round_ps(tc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 f = _mm256_sub_ps(tc, n);
-    __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(EXP2_C6), f, _mm256_set1_ps(EXP2_C5));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C4));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C3));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C2));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C1));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+    __m256 p = exp2_fraction(Vec{_mm256_sub_ps(tc, n)}).v;
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
     return {_mm256_blendv_ps(y, _mm256_setzero_ps(), tiny)};
