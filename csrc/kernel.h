@@ -95,18 +95,25 @@ struct Operand {
 template <int MR, int NV, bool ADD>
 inline void micro(int K, const float* A, int64_t ars, int64_t acs, const float* B, int ldb, float* C, int ldc) {
   Vec c[MR][NV];
+#pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) c[r][v] = ADD ? Vec::load(C + r * ldc + v * W) : Vec::zero();
   for (int k = 0; k < K; ++k) {
     Vec b[NV];
+#pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) b[v] = Vec::load(B + int64_t(k) * ldb + v * W);
     const float* a = A + k * acs;
+#pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       Vec x = Vec::set1(a[r * ars]);
+#pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) c[r][v] = Vec::fma(x, b[v], c[r][v]);
     }
   }
+#pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) c[r][v].store(C + r * ldc + v * W);
 }
 
@@ -389,25 +396,27 @@ inline const uint16_t* key_tile(const Problem& p, const Tile& tj, int Dpad, int 
   return scratch;
 }
 
-// Vᵀ of every row, packed once before the main pass: (rows, Dv_pad, Lk_pad) bf16, zero padded.
+// Vᵀ of every (row, key tile), packed once before the main pass: (rows, nk, Dv_pad, bk_pad) bf16,
+// zero padded. A tile's rows lie bk_pad apart, not Lk apart: rows a multiple of 4 KiB apart
+// would all fall in the same few L1 sets and evict each other.
 struct PackedValues {
   const Problem& p;
-  int dv_pad, lk_pad;
+  int dv_pad, bk_pad, nk;
   uint16_t* data;
-  const uint16_t* tile(int r, int k0) const { return data + int64_t(r) * dv_pad * lk_pad + k0; }
+  const uint16_t* tile(int r, int j) const { return data + (int64_t(r) * nk + j) * dv_pad * bk_pad; }
 };
 
 void pack_values_item(void* ctx, int64_t rj) {  // one (row, key tile)
   const PackedValues& pv = *static_cast<const PackedValues*>(ctx);
   const Problem& p = pv.p;
-  const int nk = cdiv(p.Lk, p.block_k), r = int(rj / nk), j = int(rj % nk);
-  const int k0 = j * p.block_k, k1 = imin(p.Lk, k0 + p.block_k), k_end = imin(pv.lk_pad, k0 + round_up(p.block_k, 32));
+  const int r = int(rj / pv.nk), j = int(rj % pv.nk);
+  const int k0 = j * p.block_k, cols = imin(p.block_k, p.Lk - k0);
   const Strided4& v = p.v;
-  const int64_t base = int64_t(r / p.Hkv) * v.s0 + int64_t(r % p.Hkv) * v.s1;
-  uint16_t* out = pv.data + int64_t(r) * pv.dv_pad * pv.lk_pad;
+  const int64_t base = int64_t(r / p.Hkv) * v.s0 + int64_t(r % p.Hkv) * v.s1 + int64_t(k0) * v.s2;
+  uint16_t* out = const_cast<uint16_t*>(pv.tile(r, j));
   for (int d = 0; d < pv.dv_pad; ++d) {
-    uint16_t* row = out + int64_t(d) * pv.lk_pad;
-    for (int c = k0; c < k_end; ++c) row[c] = (d < p.Dv && c < k1) ? bits(v, base + c * v.s2 + d * v.s3) : 0;
+    uint16_t* row = out + int64_t(d) * pv.bk_pad;
+    for (int c = 0; c < pv.bk_pad; ++c) row[c] = (d < p.Dv && c < cols) ? bits(v, base + c * v.s2 + d * v.s3) : 0;
   }
 }
 
@@ -418,17 +427,20 @@ inline void softmax_to_bf16_pairs(int cols, int keys_pad, int np, int Dv, const 
                                   float* l, float* OT, uint16_t* PB) {
   const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
                                               22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  const Vec scaled = Vec::set1(scale);
+  const Vec scaled = Vec::set1(scale), scaled_log2 = Vec::set1(scale * LOG2E);
   for (int q = 0; q < np; q += W) {
     const Vec mx = column_max(ST, cols, np, q);
     Vec m_old = Vec::load(m + q), m_new = Vec::max(m_old, mx * scaled);
     Vec shift = Vec::finite_or_zero(m_new);  // columns with nothing allowed yet shift by 0
     Vec alpha = Vec::exp(m_old - shift), sum = Vec::zero();
-    const Vec neg_shift = Vec::zero() - shift;
-    for (int c = 0; c < keys_pad; c += 2) {  // exp(scale * s - shift) of keys c and c + 1, 0 past cols
-      Vec even = c < cols ? Vec::exp(Vec::fma(Vec::load(ST + int64_t(c) * np + q), scaled, neg_shift)) : Vec::zero();
-      Vec odd = c + 1 < cols ? Vec::exp(Vec::fma(Vec::load(ST + int64_t(c + 1) * np + q), scaled, neg_shift))
-                             : Vec::zero();
+    const Vec neg_shift_log2 = Vec::zero() - shift * Vec::set1(LOG2E);
+    // exp(scale * s - shift) = 2^(s * scale * log2(e) - shift * log2(e)): one fma per score
+    auto p_of = [&](int c) {
+      return c < cols ? Vec::exp2_degree5(Vec::fma(Vec::load(ST + int64_t(c) * np + q), scaled_log2, neg_shift_log2))
+                      : Vec::zero();  // 0 past cols
+    };
+    for (int c = 0; c < keys_pad; c += 2) {  // keys c and c + 1
+      Vec even = p_of(c), odd = p_of(c + 1);
       sum = sum + (even + odd);  // one add on the loop-carried chain
       __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd.v, even.v);  // words 0-15: even, 16-31: odd
       _mm512_storeu_si512(PB + int64_t(c / 2) * np * 2 + q * 2, _mm512_permutexvar_epi16(interleave, both));
@@ -606,7 +618,7 @@ void forward_item(void* ctx, int64_t item) {
       if (modified) scale_tile(ST.p, tj.cols, np, p.scale);  // modifiers see scaled scores
       apply_rule(tj, ST.p, 1, np);  // masked scores become -inf, scaled or not
       softmax_to_bf16_pairs(tj.cols, keys_pad, np, p.Dv, ST.p, modified ? 1.f : p.scale, m, l, OT, PB);
-      amx_matmul(plan.dv_rows, np, keys_pad, plan.values->tile(r, tj.k0), plan.values->lk_pad, PB, OT, np,
+      amx_matmul(plan.dv_rows, np, keys_pad, plan.values->tile(r, j), plan.values->bk_pad, PB, OT, np,
                  true);  // Oᵀ += Vᵀ·Pᵀ
       continue;
     }
@@ -679,8 +691,8 @@ void forward(const Forward& f) {
   }
 #if defined(QKV_AMX)
   const int64_t rows = int64_t(p.B) * p.Hkv;
-  PackedValues values{p, plan.dv_rows, round_up(plan.nk * p.block_k, 32), nullptr};
-  Buffer packed(amx ? rows * values.dv_pad * values.lk_pad / 2 + 1 : 0);
+  PackedValues values{p, plan.dv_rows, round_up(p.block_k, 32), plan.nk, nullptr};
+  Buffer packed(amx ? rows * plan.nk * values.dv_pad * values.bk_pad / 2 + 1 : 0);
   if (amx) {
     values.data = reinterpret_cast<uint16_t*>(packed.p);
     qkv::parallel_for(rows * plan.nk, p.num_threads, pack_values_item, &values);
