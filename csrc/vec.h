@@ -35,6 +35,14 @@ inline V exp2_fraction(V f) {
   p = V::fma(p, f, V::set1(EXP2_C1));
   return V::fma(p, f, V::set1(1.f));
 }
+template <class V>
+inline V exp2_fraction_degree5(V f) {
+  V p = V::fma(V::set1(EXP2_D5_C5), f, V::set1(EXP2_D5_C4));
+  p = V::fma(p, f, V::set1(EXP2_D5_C3));
+  p = V::fma(p, f, V::set1(EXP2_D5_C2));
+  p = V::fma(p, f, V::set1(EXP2_D5_C1));
+  return V::fma(p, f, V::set1(1.f));
+}
 
 #if defined(QKV_AVX512)
 struct Vec {
@@ -56,28 +64,19 @@ struct Vec {
   }
   float reduce_max() const { return _mm512_reduce_max_ps(v); }
   float reduce_add() const { return _mm512_reduce_add_ps(v); }
-  // exp(x) for x <= 0 (scores minus their row max); 0 below the float range (no denormals)
-  // and for -inf, NaN stays NaN. exp(x) = 2^t = 2^n * 2^f with t = x * log2(e), n = round(t),
-  // |f| <= 1/2, and 2^f by a degree-6 polynomial.
-  static Vec exp(Vec x) {
-    __m512 t = _mm512_mul_ps(x.v, _mm512_set1_ps(LOG2E));
+  // 2^t for t <= 0 as 2^n * 2^f, n = round(t), |f| <= 1/2, 2^f by `fraction`; 0 below the
+  // float range (no denormals) and for -inf, NaN stays NaN.
+  template <Vec (*fraction)(Vec)>
+  static Vec exp2_by(__m512 t) {
     __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 p = exp2_fraction(Vec{_mm512_sub_ps(t, n)}).v;
+    __m512 p = fraction(Vec{_mm512_sub_ps(t, n)}).v;
     __mmask16 in_range = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.f), _CMP_NLT_UQ);  // NaN too
     return {_mm512_maskz_scalef_ps(in_range, p, n)};
   }
-  // 2^t for t <= 0 by the degree-5 fit, as exp above otherwise.
-  static Vec exp2_degree5(Vec t) {
-    __m512 n = _mm512_roundscale_ps(t.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(t.v, n);
-    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(EXP2_D5_C5), f, _mm512_set1_ps(EXP2_D5_C4));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_D5_C3));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_D5_C2));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_D5_C1));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    __mmask16 in_range = _mm512_cmp_ps_mask(t.v, _mm512_set1_ps(-126.f), _CMP_NLT_UQ);  // NaN too
-    return {_mm512_maskz_scalef_ps(in_range, p, n)};
-  }
+  // exp(x) for x <= 0 (scores minus their row max) = 2^(x * log2(e)), degree-6 fraction.
+  static Vec exp(Vec x) { return exp2_by<exp2_fraction<Vec>>(_mm512_mul_ps(x.v, _mm512_set1_ps(LOG2E))); }
+  // 2^t for t <= 0 by the degree-5 fit.
+  static Vec exp2_degree5(Vec t) { return exp2_by<exp2_fraction_degree5<Vec>>(t.v); }
 };
 #elif defined(QKV_AVX2)
 struct Vec {
