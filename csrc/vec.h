@@ -14,34 +14,29 @@
 
 namespace QKV_ISA_NS {
 
-// 2^f ~ 1 + C1 f + ... + C6 f^6 on |f| <= 1/2 (a near-minimax fit in relative error).
-constexpr float EXP2_C1 = 0.6931471824645996f, EXP2_C2 = 0.24022647738456726f, EXP2_C3 = 0.055503323674201965f,
-                EXP2_C4 = 0.00961843691766262f, EXP2_C5 = 0.0013398875016719103f,
-                EXP2_C6 = 0.00015353361959569156f;
 constexpr float LOG2E = 1.4426950408889634f;
-// A degree-5 fit, relative error 1.9e-7 (the degree-6 one: 6e-8), for the bfloat16 path: its
-// probabilities are rounded to bfloat16, but their float32 sums give the float32 lse.
-constexpr float EXP2_D5_C1 = 0.6931470036506653f, EXP2_D5_C2 = 0.24022242426872253f,
-                EXP2_D5_C3 = 0.05550733581185341f, EXP2_D5_C4 = 0.009671512991189957f,
-                EXP2_D5_C5 = 0.001326472731307149f;
+// 2^f ~ 1 + c1 f + c2 f^2 + ... on |f| <= 1/2 (near-minimax fits in relative error), constant
+// term first. Degree 6: relative error 6e-8. Degree 5: 1.9e-7, for the bfloat16 path, whose
+// probabilities are rounded to bfloat16 but whose float32 sums give the float32 lse.
+constexpr float EXP2_DEGREE6[] = {1.f, 0.6931471824645996f, 0.24022647738456726f, 0.055503323674201965f,
+                                  0.00961843691766262f, 0.0013398875016719103f, 0.00015353361959569156f};
+constexpr float EXP2_DEGREE5[] = {1.f, 0.6931470036506653f, 0.24022242426872253f, 0.05550733581185341f,
+                                  0.009671512991189957f, 0.001326472731307149f};
 
-// 2^f for |f| <= 1/2, by Horner's rule, for any of the vector types below.
+// The polynomial c[0] + c[1] f + ... + c[N-1] f^(N-1) by Horner's rule, for any vector type below.
+template <class V, int N>
+inline V horner(const float (&c)[N], V f) {
+  V p = V::set1(c[N - 1]);
+  for (int i = N - 2; i >= 0; --i) p = V::fma(p, f, V::set1(c[i]));
+  return p;
+}
 template <class V>
-inline V exp2_fraction(V f) {
-  V p = V::fma(V::set1(EXP2_C6), f, V::set1(EXP2_C5));
-  p = V::fma(p, f, V::set1(EXP2_C4));
-  p = V::fma(p, f, V::set1(EXP2_C3));
-  p = V::fma(p, f, V::set1(EXP2_C2));
-  p = V::fma(p, f, V::set1(EXP2_C1));
-  return V::fma(p, f, V::set1(1.f));
+inline V exp2_fraction(V f) {  // 2^f for |f| <= 1/2
+  return horner(EXP2_DEGREE6, f);
 }
 template <class V>
 inline V exp2_fraction_degree5(V f) {
-  V p = V::fma(V::set1(EXP2_D5_C5), f, V::set1(EXP2_D5_C4));
-  p = V::fma(p, f, V::set1(EXP2_D5_C3));
-  p = V::fma(p, f, V::set1(EXP2_D5_C2));
-  p = V::fma(p, f, V::set1(EXP2_D5_C1));
-  return V::fma(p, f, V::set1(1.f));
+  return horner(EXP2_DEGREE5, f);
 }
 
 #if defined(QKV_AVX512)
