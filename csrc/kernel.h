@@ -375,8 +375,11 @@ inline void pack_queries(const Problem& p, const Tile& tl, int G, int Dpad, int 
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < tl.rows; ++i) {
       const int64_t base = tl.b * p.q.s0 + int64_t(tl.kv * G + g) * p.q.s1 + int64_t(tl.q0 + i) * p.q.s2;
-      const int rr = g * tl.rows + i;
-      for (int d = 0; d < p.D; ++d) QB[int64_t(d / 2) * np * 2 + rr * 2 + (d & 1)] = bits(p.q, base + d * p.q.s3);
+      uint16_t* column = QB + (g * tl.rows + i) * 2;  // this query's pairs lie np * 2 apart
+      for (int d = 0; d < p.D; d += 2, column += int64_t(np) * 2) {
+        column[0] = bits(p.q, base + d * p.q.s3);
+        if (d + 1 < p.D) column[1] = bits(p.q, base + (d + 1) * p.q.s3);
+      }
     }
 }
 
@@ -414,10 +417,9 @@ void pack_values_item(void* ctx, int64_t rj) {  // one (row, key tile)
   const Strided4& v = p.v;
   const int64_t base = int64_t(r / p.Hkv) * v.s0 + int64_t(r % p.Hkv) * v.s1 + int64_t(k0) * v.s2;
   uint16_t* out = const_cast<uint16_t*>(pv.tile(r, j));
-  for (int d = 0; d < pv.dv_pad; ++d) {
-    uint16_t* row = out + int64_t(d) * pv.bk_pad;
-    for (int c = 0; c < pv.bk_pad; ++c) row[c] = (d < p.Dv && c < cols) ? bits(v, base + c * v.s2 + d * v.s3) : 0;
-  }
+  memset(out, 0, size_t(pv.dv_pad) * pv.bk_pad * 2);
+  for (int c = 0; c < cols; ++c)  // each key's row of v is read once, in order
+    for (int d = 0; d < p.Dv; ++d) out[int64_t(d) * pv.bk_pad + c] = bits(v, base + c * v.s2 + d * v.s3);
 }
 
 // One pass of the online softmax for the AMX path: fold a tile of transposed scores ST
