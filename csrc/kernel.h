@@ -33,10 +33,18 @@ inline int imax(int a, int b) { return a > b ? a : b; }
 inline int cdiv(int a, int b) { return (a + b - 1) / b; }
 
 // ---- buffers ---------------------------------------------------------------------------
-struct Buffer {  // 64-byte aligned float scratch, freed at scope exit
+// 64-byte aligned float scratch, freed at scope exit; none for n = 0. Aligned by hand inside
+// a plain malloc: aligned_alloc frees the slack before its block as a small chunk, and glibc
+// then merges all small free chunks on each later large request, which cost small calls
+// (decoding steps) about a third of their time.
+struct Buffer {
+  void* raw;
   float* p;
-  explicit Buffer(int64_t n) : p(static_cast<float*>(aligned_alloc(64, (n * 4 + 63) / 64 * 64 + 64))) {}
-  ~Buffer() { free(p); }
+  explicit Buffer(int64_t n) : raw(n > 0 ? malloc(size_t(n) * 4 + 64) : nullptr), p(aligned(raw)) {}
+  ~Buffer() { free(raw); }
+  static float* aligned(void* q) {
+    return q ? reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(q) + 63) & ~uintptr_t(63)) : nullptr;
+  }
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
 };
@@ -235,9 +243,13 @@ struct ForwardPlan {
 #if defined(QKV_AMX)
   const PackedValues* values = nullptr;
 #endif
-  float* partial;  // splits > 1: per (row, q tile, split): m, l (np each) and Oᵀ (Dv x np)
+  float* partial;  // splits > 1: per (row, q tile, split): m, l (np each) and the output so far
   int64_t partial_stride;
-  bool few_queries = false;  // decoding: few_queries_item
+  bool few_queries = false;  // decoding: few_queries_tiles
+  // Element strides of the output accumulated so far, along Dv and along query rows: Oᵀ
+  // (Dv x np) on the tile paths, O (np x Dv) on the few-queries path.
+  int64_t out_d, out_row;
+  float output(const float* O, int rr, int d) const { return O[d * out_d + rr * out_row]; }
 };
 
 // A key tile of k or v as an operand with rows = keys: in place for contiguous float32,
@@ -281,21 +293,31 @@ inline void online_softmax_columns(int cols, int np, int Dv, float* ST, float* m
   }
 }
 
-inline void store_output(const Forward& f, const Tile& tl, int np, const float* m, const float* l, const float* OT) {
+inline void store_output(const ForwardPlan& plan, const Tile& tl, const float* m, const float* l, const float* O) {
+  const Forward& f = plan.f;
   const Problem& p = f.p;
+  const int64_t step = plan.out_d;  // 1 on the few-queries path: the loops below then vectorise
   for (int rr = 0; rr < tl.n(); ++rr) {
     const int64_t at = (int64_t(tl.b) * p.Hq + tl.head(rr)) * p.Lq + tl.query(rr);
     const bool none = l[rr] == 0.f;  // no allowed key: output 0, lse -inf (NaN stays NaN)
     const float inv = none ? 0.f : 1.f / l[rr];
+    const float* src = O + rr * plan.out_row;  // output element d at src[d * step]
     f.lse[at] = none ? NEG_INF : m[rr] + logf(l[rr]);
     if (p.dtype == qkv::F32) {
       float* o = static_cast<float*>(f.out) + at * p.Dv;
-      for (int d = 0; d < p.Dv; ++d) o[d] = none ? 0.f : OT[int64_t(d) * np + rr] * inv;
+      for (int d = 0; d < p.Dv; ++d) o[d] = none ? 0.f : src[d * step] * inv;
     } else {
       uint16_t* o = static_cast<uint16_t*>(f.out) + at * p.Dv;
-      for (int d = 0; d < p.Dv; ++d) o[d] = f32_to_bf16(none ? 0.f : OT[int64_t(d) * np + rr] * inv);
+      for (int d = 0; d < p.Dv; ++d) o[d] = f32_to_bf16(none ? 0.f : src[d * step] * inv);
     }
   }
+}
+
+// Calls too small to pay for waking the pool (some 10 µs) run on the calling thread. The
+// work items stay the same, so the results do too.
+inline int threads_for(const Problem& p) {
+  const double multiply_adds = double(p.B) * p.Hq * p.Lq * p.Lk * (p.D + p.Dv);
+  return multiply_adds < (1 << 18) ? 1 : p.num_threads;
 }
 
 inline Tile make_tile(const Problem& p, int r, int t, int j) {
@@ -506,11 +528,12 @@ inline void scores_by_rows(const Problem& p, const Tile& tj, int n, const float*
 
 // Online softmax along rows of S (n x ld, `cols` keys): S becomes P; m, l and O (n x Dv) update.
 inline void online_softmax_rows(int n, int cols, int ld, int Dv, float* S, float* m, float* l, float* O) {
+  const int span = round_up(cols, W);  // <= ld: whole vectors, the keys past cols at -inf
   for (int rr = 0; rr < n; ++rr) {
     float* s = S + int64_t(rr) * ld;
-    fill(s + cols, ld - cols, NEG_INF);
+    fill(s + cols, span - cols, NEG_INF);
     Vec mx = Vec::set1(NEG_INF);
-    for (int c = 0; c < ld; c += W) mx = Vec::max(mx, Vec::load(s + c));
+    for (int c = 0; c < span; c += W) mx = Vec::max(mx, Vec::load(s + c));
     const float tile_max = mx.reduce_max();
     const float m_new = tile_max > m[rr] ? tile_max : m[rr];
     if (m_new == NEG_INF) {  // nothing allowed yet: contributes nothing
@@ -519,7 +542,7 @@ inline void online_softmax_rows(int n, int cols, int ld, int Dv, float* S, float
     }
     const float alpha = expf(m[rr] - m_new);  // rescales what was summed under the old max
     Vec shift = Vec::set1(m_new), sum = Vec::zero();
-    for (int c = 0; c < ld; c += W) {
+    for (int c = 0; c < span; c += W) {
       Vec e = Vec::exp(Vec::load(s + c) - shift);
       e.store(s + c);
       sum = sum + e;
@@ -553,29 +576,86 @@ inline void values_by_rows(const Problem& p, const Tile& tj, int n, const float*
     }
 }
 
-void few_queries_item(const ForwardPlan& plan, const Tile& tl, int split, float* m, float* l, float* OT,
-                      int64_t* computed, int64_t* masked) {
+// The state one work item folds its key tiles into: running maxima m and sums l (np each)
+// and the output so far, transposed (Oᵀ, dv_rows x np).
+struct Accumulator {
+  float *m, *l, *OT;
+  int64_t computed = 0, masked = 0;  // key tiles run, and those of them with a mask applied
+};
+
+// visit(tj) for each key tile of the item's split that the mask does not leave EMPTY.
+template <class Visit>
+inline void for_each_key_tile(const ForwardPlan& plan, const Tile& tl, int split, Accumulator& acc, Visit visit) {
+  const int j_end = imin(plan.nk, (split + 1) * plan.tiles_per_split);
+  for (int j = split * plan.tiles_per_split; j < j_end; ++j) {
+    const int8_t cls = tile_class(plan.f.p, tl.r, tl.t, j);
+    if (cls == qkv::EMPTY) continue;
+    acc.computed += 1, acc.masked += cls == qkv::PARTIAL;
+    visit(make_tile(plan.f.p, tl.r, tl.t, j));
+  }
+}
+
+void few_queries_tiles(const ForwardPlan& plan, const Tile& tl, int split, Accumulator& acc) {
   const Problem& p = plan.f.p;
   const int n = tl.n(), n4 = round_up(n, 4), ld = round_up(p.block_k, W);
-  Buffer Q(int64_t(n) * p.D), S(int64_t(n4) * ld), O(int64_t(n4) * p.Dv);
+  Buffer Q(int64_t(n) * p.D), S(int64_t(n4) * ld);
+  float* O = acc.OT;  // (n4 x Dv) rows of the zeroed output (out_d = 1, out_row = Dv), n4 <= np
   for (int g = 0; g < plan.G; ++g)
     load_rows(p.q, p.dtype, tl.b, tl.kv * plan.G + g, tl.q0, tl.rows, tl.rows, p.D, p.D, p.scale,
               Q.p + int64_t(g) * tl.rows * p.D);
-  fill(S.p, int64_t(n4) * ld, 0.f), fill(O.p, int64_t(n4) * p.Dv, 0.f);
-  const int j_end = imin(plan.nk, (split + 1) * plan.tiles_per_split);
-  for (int j = split * plan.tiles_per_split; j < j_end; ++j) {
-    const int8_t cls = tile_class(p, tl.r, tl.t, j);
-    if (cls == qkv::EMPTY) continue;
-    *computed += 1, *masked += cls == qkv::PARTIAL;
-    Tile tj = make_tile(p, tl.r, tl.t, j);
+  fill(S.p, int64_t(n4) * ld, 0.f);
+  for_each_key_tile(plan, tl, split, acc, [&](const Tile& tj) {
     scores_by_rows(p, tj, n, Q.p, S.p, ld);
     apply_rule(tj, S.p, ld, 1);
-    online_softmax_rows(n, tj.cols, ld, p.Dv, S.p, m, l, O.p);
-    values_by_rows(p, tj, n, S.p, ld, O.p);
-  }
-  for (int rr = 0; rr < n; ++rr)
-    for (int d = 0; d < p.Dv; ++d) OT[int64_t(d) * plan.np + rr] = O.p[int64_t(rr) * p.Dv + d];
+    online_softmax_rows(n, tj.cols, ld, p.Dv, S.p, acc.m, acc.l, O);
+    values_by_rows(p, tj, n, S.p, ld, O);
+  });
 }
+
+// Float32 products on the FMA units; rows of k and v that are not contiguous float32 are
+// converted a tile at a time, into buffers allocated only then.
+void float_tiles(const ForwardPlan& plan, const Tile& tl, int split, Accumulator& acc) {
+  const Problem& p = plan.f.p;
+  const int np = plan.np;
+  const bool k_converted = !(p.dtype == qkv::F32 && p.k.s3 == 1), v_converted = !(p.dtype == qkv::F32 && p.v.s3 == 1);
+  Buffer QT(int64_t(p.D) * np), ST(int64_t(p.block_k) * np);
+  Buffer k_rows(k_converted ? int64_t(p.block_k) * p.D : 0), v_rows(v_converted ? int64_t(p.block_k) * p.Dv : 0);
+  load_queries_transposed(p, tl, plan.G, np, QT.p);
+  for_each_key_tile(plan, tl, split, acc, [&](const Tile& tj) {
+    Operand K = key_rows(p.k, p.dtype, tl.b, tl.kv, tj.k0, tj.cols, p.D, k_rows.p);
+    Operand V = key_rows(p.v, p.dtype, tl.b, tl.kv, tj.k0, tj.cols, p.Dv, v_rows.p);
+    gemm(tj.cols, np, p.D, K, QT.p, np, ST.p, np, false);  // Sᵀ = K·Qᵀ (keys x queries)
+    apply_rule(tj, ST.p, 1, np);
+    online_softmax_columns(tj.cols, np, p.Dv, ST.p, acc.m, acc.l, acc.OT);
+    gemm(p.Dv, np, tj.cols, transposed(V), ST.p, np, acc.OT, np, true);  // Oᵀ += Vᵀ·Pᵀ
+  });
+}
+
+#if defined(QKV_AMX)
+// bfloat16 products on the AMX tile unit, the softmax on the vector units.
+void amx_tiles(const ForwardPlan& plan, const Tile& tl, int split, Accumulator& acc) {
+  const Problem& p = plan.f.p;
+  const int np = plan.np, Dpad = round_up(p.D, 32), keys_max = round_up(p.block_k, 32);
+  Buffer QB_(int64_t(Dpad) * np / 2), ST(int64_t(keys_max) * np), K_(int64_t(keys_max) * Dpad / 2),
+      PB_(int64_t(keys_max) * np / 2);
+  uint16_t* QB = reinterpret_cast<uint16_t*>(QB_.p);
+  uint16_t* PB = reinterpret_cast<uint16_t*>(PB_.p);
+  const bool modified = p.mods.alibi_slopes || p.mods.bias || p.mods.softcap > 0;
+  amx_configure(), pack_queries(p, tl, plan.G, Dpad, np, QB);
+  for_each_key_tile(plan, tl, split, acc, [&](const Tile& tj) {
+    const int keys_pad = round_up(tj.cols, 32);
+    int64_t ldk;
+    const uint16_t* K = key_tile(p, tj, Dpad, keys_pad, reinterpret_cast<uint16_t*>(K_.p), &ldk);
+    amx_matmul(keys_pad, np, Dpad, K, ldk, QB, ST.p, np, false);  // Sᵀ = K·Qᵀ (keys x queries)
+    if (modified) scale_tile(ST.p, tj.cols, np, p.scale);  // modifiers see scaled scores
+    apply_rule(tj, ST.p, 1, np);  // masked scores become -inf, scaled or not
+    softmax_to_bf16_pairs(tj.cols, keys_pad, np, p.Dv, ST.p, modified ? 1.f : p.scale, acc.m, acc.l, acc.OT, PB);
+    amx_matmul(plan.dv_rows, np, keys_pad, plan.values->tile(tl.r, tj.j), plan.values->bk_pad, PB, acc.OT, np,
+               true);  // Oᵀ += Vᵀ·Pᵀ
+  });
+  _tile_release();
+}
+#endif
 
 // The query tile of work item rt: last tiles first, since under causal masks they are the
 // longest, so the pool ends on short ones.
@@ -583,62 +663,22 @@ inline int query_tile_of(const ForwardPlan& plan, int64_t rt) { return plan.nq -
 
 void forward_item(void* ctx, int64_t item) {
   const ForwardPlan& plan = *static_cast<const ForwardPlan*>(ctx);
-  const Problem& p = plan.f.p;
-  const int split = int(item % plan.splits), rt = int(item / plan.splits);
-  const int r = rt / plan.nq, t = query_tile_of(plan, rt), np = plan.np;
-  Tile tl = make_tile(p, r, t, 0);
-  const int Dpad = round_up(p.D, 32), keys_max = round_up(p.block_k, 32);
-  Buffer QT(int64_t(plan.amx ? Dpad : p.D) * np), ST(int64_t(keys_max) * np);
-  Buffer scratch(int64_t(keys_max) * (Dpad + round_up(p.Dv, 32)) + int64_t(keys_max) * np);
+  const int split = int(item % plan.splits), rt = int(item / plan.splits), np = plan.np;
+  Tile tl = make_tile(plan.f.p, rt / plan.nq, query_tile_of(plan, rt), 0);
   Buffer own(plan.splits > 1 ? 0 : int64_t(np) * (2 + plan.dv_rows));
-  float* m = plan.splits > 1 ? plan.partial + item * plan.partial_stride : own.p;
-  float *l = m + np, *OT = l + np;
+  Accumulator acc;
+  acc.m = plan.splits > 1 ? plan.partial + item * plan.partial_stride : own.p;
+  acc.l = acc.m + np, acc.OT = acc.l + np;
+  fill(acc.m, np, NEG_INF), fill(acc.l, np, 0.f), fill(acc.OT, int64_t(plan.dv_rows) * np, 0.f);
+  if (plan.few_queries) few_queries_tiles(plan, tl, split, acc);
 #if defined(QKV_AMX)
-  uint16_t* QB = reinterpret_cast<uint16_t*>(QT.p);
-  uint16_t* Kbuf = reinterpret_cast<uint16_t*>(scratch.p);
-  uint16_t* PB = Kbuf + int64_t(keys_max) * Dpad;
-  if (plan.amx) amx_configure(), pack_queries(p, tl, plan.G, Dpad, np, QB);
-  else
+  else if (plan.amx) amx_tiles(plan, tl, split, acc);
 #endif
-    load_queries_transposed(p, tl, plan.G, np, QT.p);
-  fill(m, np, NEG_INF), fill(l, np, 0.f), fill(OT, int64_t(plan.dv_rows) * np, 0.f);
-  const int j_end = plan.few_queries ? 0 : imin(plan.nk, (split + 1) * plan.tiles_per_split);
-  int64_t computed = 0, masked = 0;
-  if (plan.few_queries) few_queries_item(plan, tl, split, m, l, OT, &computed, &masked);
-  for (int j = split * plan.tiles_per_split; j < j_end; ++j) {
-    const int8_t cls = tile_class(p, r, t, j);
-    if (cls == qkv::EMPTY) continue;
-    computed += 1, masked += cls == qkv::PARTIAL;
-    Tile tj = make_tile(p, r, t, j);
-#if defined(QKV_AMX)
-    if (plan.amx) {
-      const int keys_pad = round_up(tj.cols, 32);
-      int64_t ldk;
-      const uint16_t* K = key_tile(p, tj, Dpad, keys_pad, Kbuf, &ldk);
-      amx_matmul(keys_pad, np, Dpad, K, ldk, QB, ST.p, np, false);  // Sᵀ = K·Qᵀ (keys x queries)
-      const bool modified = p.mods.alibi_slopes || p.mods.bias || p.mods.softcap > 0;
-      if (modified) scale_tile(ST.p, tj.cols, np, p.scale);  // modifiers see scaled scores
-      apply_rule(tj, ST.p, 1, np);  // masked scores become -inf, scaled or not
-      softmax_to_bf16_pairs(tj.cols, keys_pad, np, p.Dv, ST.p, modified ? 1.f : p.scale, m, l, OT, PB);
-      amx_matmul(plan.dv_rows, np, keys_pad, plan.values->tile(r, j), plan.values->bk_pad, PB, OT, np,
-                 true);  // Oᵀ += Vᵀ·Pᵀ
-      continue;
-    }
-#endif
-    Operand K = key_rows(p.k, p.dtype, tl.b, tl.kv, tj.k0, tj.cols, p.D, scratch.p);
-    Operand V = key_rows(p.v, p.dtype, tl.b, tl.kv, tj.k0, tj.cols, p.Dv, scratch.p + int64_t(p.block_k) * p.D);
-    gemm(tj.cols, np, p.D, K, QT.p, np, ST.p, np, false);  // Sᵀ = K·Qᵀ (keys x queries)
-    apply_rule(tj, ST.p, 1, np);
-    online_softmax_columns(tj.cols, np, p.Dv, ST.p, m, l, OT);
-    gemm(p.Dv, np, tj.cols, transposed(V), ST.p, np, OT, np, true);  // Oᵀ += Vᵀ·Pᵀ
-  }
-#if defined(QKV_AMX)
-  if (plan.amx) _tile_release();
-#endif
-  if (plan.splits == 1) store_output(plan.f, tl, np, m, l, OT);
+  else float_tiles(plan, tl, split, acc);
+  if (plan.splits == 1) store_output(plan, tl, acc.m, acc.l, acc.OT);
   if (plan.f.tile_counts) {  // a builtin, not std::atomic: no shared inline templates here
-    __atomic_fetch_add(&plan.f.tile_counts[0], computed, __ATOMIC_RELAXED);
-    __atomic_fetch_add(&plan.f.tile_counts[1], masked, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&plan.f.tile_counts[0], acc.computed, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&plan.f.tile_counts[1], acc.masked, __ATOMIC_RELAXED);
   }
 }
 
@@ -649,8 +689,8 @@ void merge_item(void* ctx, int64_t rt) {
   Tile tl = make_tile(p, int(rt / plan.nq), query_tile_of(plan, rt), 0);
   const int np = plan.np;
   Buffer merged(int64_t(np) * (2 + plan.dv_rows));
-  float *m = merged.p, *l = m + np, *OT = l + np;
-  fill(m, np, NEG_INF), fill(l, np, 0.f), fill(OT, int64_t(plan.dv_rows) * np, 0.f);
+  float *m = merged.p, *l = m + np, *O = l + np;  // O in the plan's output layout
+  fill(m, np, NEG_INF), fill(l, np, 0.f), fill(O, int64_t(plan.dv_rows) * np, 0.f);
   for (int s = 0; s < plan.splits; ++s) {
     const float* part = plan.partial + (rt * plan.splits + s) * plan.partial_stride;
     for (int rr = 0; rr < tl.n(); ++rr) {
@@ -659,12 +699,14 @@ void merge_item(void* ctx, int64_t rt) {
       float m_new = ms > m[rr] ? ms : m[rr];
       float a_old = expf(m[rr] - m_new), a_new = expf(ms - m_new);
       l[rr] = l[rr] * a_old + ls * a_new;
-      for (int d = 0; d < p.Dv; ++d)
-        OT[int64_t(d) * np + rr] = OT[int64_t(d) * np + rr] * a_old + part[2 * np + int64_t(d) * np + rr] * a_new;
+      for (int d = 0; d < p.Dv; ++d) {
+        float& o = O[d * plan.out_d + rr * plan.out_row];
+        o = o * a_old + plan.output(part + 2 * np, rr, d) * a_new;
+      }
       m[rr] = m_new;
     }
   }
-  store_output(plan.f, tl, np, m, l, OT);
+  store_output(plan, tl, m, l, O);
 }
 
 }  // namespace
@@ -672,7 +714,7 @@ void merge_item(void* ctx, int64_t rt) {
 void forward(const Forward& f) {
   const Problem& p = f.p;
   if (p.B == 0 || p.Hkv == 0 || p.Lq == 0) return;  // nothing to write
-  const int G = p.Hq / p.Hkv;
+  const int G = p.Hq / p.Hkv, threads = threads_for(p);
 #if defined(QKV_AMX)
   const bool amx = p.dtype == qkv::BF16;
 #else
@@ -683,6 +725,7 @@ void forward(const Forward& f) {
                    nullptr, 0};
   plan.tiles_per_split = plan.nk;
   plan.few_queries = !amx && few_queries_path(p, G * imin(p.block_q, p.Lq));
+  plan.out_d = plan.few_queries ? 1 : plan.np, plan.out_row = plan.few_queries ? p.Dv : 1;
   const int64_t items = int64_t(p.B) * p.Hkv * plan.nq;
   // Few (row, query tile) items and many keys (decoding): split the keys too, so every
   // thread has work. The split depends on the shape only, so results never depend on threads.
@@ -697,19 +740,19 @@ void forward(const Forward& f) {
   Buffer packed(amx ? rows * plan.nk * values.dv_pad * values.bk_pad / 2 + 1 : 0);
   if (amx) {
     values.data = reinterpret_cast<uint16_t*>(packed.p);
-    qkv::parallel_for(rows * plan.nk, p.num_threads, pack_values_item, &values);
+    qkv::parallel_for(rows * plan.nk, threads, pack_values_item, &values);
     plan.values = &values;
   }
 #endif
   if (plan.splits == 1) {
-    qkv::parallel_for(items, p.num_threads, forward_item, &plan);
+    qkv::parallel_for(items, threads, forward_item, &plan);
     return;
   }
   plan.partial_stride = int64_t(plan.np) * (2 + plan.dv_rows);
   Buffer partial(items * plan.splits * plan.partial_stride);
   plan.partial = partial.p;
-  qkv::parallel_for(items * plan.splits, p.num_threads, forward_item, &plan);
-  qkv::parallel_for(items, p.num_threads, merge_item, &plan);
+  qkv::parallel_for(items * plan.splits, threads, forward_item, &plan);
+  qkv::parallel_for(items, threads, merge_item, &plan);
 }
 
 // ---- backward ------------------------------------------------------------------------------
@@ -910,7 +953,7 @@ void row_item(void* ctx, int64_t r64) {
 void backward(const Backward& bw) {
   const Problem& p = bw.p;
   if (p.B == 0 || p.Hkv == 0) return;  // no gradient elements
-  const int G = p.Hq / p.Hkv;
+  const int G = p.Hq / p.Hkv, threads = threads_for(p);
   BackwardPlan plan{bw, G, cdiv(p.Lq, p.block_q), cdiv(p.Lk, p.block_k), round_up(p.D, W), round_up(p.Dv, W),
                     round_up(p.block_k, W), G * p.block_q};
   const int64_t rows = int64_t(p.B) * p.Hkv, q_tiles = rows * plan.nq, k_tiles = rows * plan.nk;
@@ -920,13 +963,13 @@ void backward(const Backward& bw) {
   plan.lse = plan.dO + q_tiles * plan.n_max * plan.Dvp, plan.delta = plan.lse + q_tiles * plan.n_max;
   plan.Kt = k_side.p, plan.Vt = plan.Kt + k_tiles * plan.Dp * plan.bkp;
   plan.K = plan.Vt + k_tiles * plan.Dvp * plan.bkp;
-  qkv::parallel_for(q_tiles, p.num_threads, pack_query_item, &plan);
-  qkv::parallel_for(k_tiles, p.num_threads, pack_key_item, &plan);
+  qkv::parallel_for(q_tiles, threads, pack_query_item, &plan);
+  qkv::parallel_for(k_tiles, threads, pack_key_item, &plan);
   if (rows >= 4) {  // enough rows to share out: each pair once (a shape rule, so threads never change results)
-    qkv::parallel_for(rows, p.num_threads, row_item, &plan);
+    qkv::parallel_for(rows, threads, row_item, &plan);
   } else {
-    qkv::parallel_for(q_tiles, p.num_threads, dq_item, &plan);
-    qkv::parallel_for(k_tiles, p.num_threads, dkdv_item, &plan);
+    qkv::parallel_for(q_tiles, threads, dq_item, &plan);
+    qkv::parallel_for(k_tiles, threads, dkdv_item, &plan);
   }
 }
 
