@@ -462,6 +462,16 @@ def test_empty_explain_reports_a_backend():
     assert report.backend in dispatch.REGISTRY and not dispatch.REGISTRY[report.backend].caps.materializes
 
 
+def test_explain_lists_every_refusal_while_attention_stops_at_its_choice():
+    from qkv import dispatch, inputs
+    q = np.random.default_rng(0).standard_normal((2, 5, 8)).astype(np.float32)
+    inp = inputs.prepare(q, q, q)
+    quick, full = dispatch.choose(inp), dispatch.choose(inp, every_refusal=True)
+    assert quick.backend is full.backend
+    assert "reference" in full.refused and "reference" not in quick.refused  # last in the registry
+    assert "not reference: never chosen automatically" in str(qkv.explain(q, q, q))
+
+
 # ======================================================================================
 # No assert guards user input: validation is explicit ValueError / TypeError
 # ======================================================================================

@@ -46,9 +46,8 @@ def attention(q, k, v, mask=None, *, score_mod=None, scale=None, dropout_p=0.0, 
     if inp.dropout_p > 0 and inp.seed is None:
         inp.seed = _draw_seed(inp.kind)
     chosen = dispatch.choose(inp, backend).backend
-    out, lse = chosen.forward(inp)
-    out = out.reshape(inp.output_shape(inp.Dv))
-    return (out, lse.reshape(inp.lse_shape())) if return_lse else out
+    out, lse = inp.to_caller(*chosen.forward(inp))
+    return (out, lse) if return_lse else out
 
 
 def _draw_seed(kind: str) -> int:
@@ -140,7 +139,7 @@ def explain(q, k, v, mask=None, *, score_mod=None, scale=None, dropout_p=0.0, se
     """Which backend `attention` would run for these arguments, why the others were refused,
     and the extra memory it will use. Raises like `attention` would."""
     inp = inputs.prepare(q, k, v, mask, score_mod=score_mod, scale=scale, dropout_p=dropout_p, seed=seed)
-    choice = dispatch.choose(inp, backend)
+    choice = dispatch.choose(inp, backend, every_refusal=True)
     shapes = (f"{inp.kind} {inp.dtype} on {inp.device}; q {tuple(q.shape)}, k {tuple(k.shape)}, "
               f"v {tuple(v.shape)}; mask {inp.mask!r}; score_mod {list(inp.score_mods)}")
     formula = 2 * inp.B * inp.Hq * inp.Lq * inp.Lk * nbytes(compute_dtype_name(inp.dtype))

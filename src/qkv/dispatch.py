@@ -46,7 +46,9 @@ class Choice:
     refused: dict[str, list[str]] = field(default_factory=dict)
 
 
-def choose(inp, backend: str | None = None) -> Choice:
+def choose(inp, backend: str | None = None, *, every_refusal: bool = False) -> Choice:
+    """The backend for this call. Automatic choice stops at the first that can run it, unless
+    `every_refusal` asks for every other backend's reasons too (qkv.explain)."""
     if backend is not None:
         chosen = get(backend)
         reasons = chosen.unsupported(inp)
@@ -63,6 +65,8 @@ def choose(inp, backend: str | None = None) -> Choice:
             refused[name] = reasons
         elif chosen is None:
             chosen = candidate
+            if not every_refusal:
+                break
     if chosen is None:
         listing = "; ".join(f"{n}: {', '.join(r)}" for n, r in refused.items())
         raise BackendError(f"no backend can run these inputs ({listing})")

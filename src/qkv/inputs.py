@@ -199,6 +199,11 @@ class AttentionInputs:
     def lse_shape(self) -> tuple:
         return self.batch_shape + self.head_shape + (self.Lq,)
 
+    def to_caller(self, out, lse):
+        """A backend's (out, lse), (B, Hq, Lq, Dv) and (B, Hq, Lq), in the caller's shapes."""
+        shapes = self.output_shape(self.Dv), self.lse_shape()
+        return tuple(x if tuple(x.shape) == shape else x.reshape(shape) for x, shape in zip((out, lse), shapes))
+
 
 def _check_tensor(name, x, kind):
     got = _arrays.kind_of(x)
@@ -223,7 +228,7 @@ def check_qkv(q, k, v, names=("q", "k", "v")):
     dtypes = {n: _dtype_name(x) for n, x in ((nq, q), (nk, k), (nv, v))}
     if len(set(dtypes.values())) > 1:
         raise TypeError(f"q, k and v must share one dtype (no silent casts); got {dtypes}")
-    if kind == "torch" and len({str(x.device) for x in (q, k, v)}) > 1:
+    if kind == "torch" and len({x.device for x in (q, k, v)}) > 1:
         raise ValueError(f"q, k and v must be on one device; got {q.device}, {k.device}, {v.device}")
     qs, ks, vs = tuple(q.shape), tuple(k.shape), tuple(v.shape)
     if not (q.ndim == k.ndim == v.ndim):
@@ -322,6 +327,8 @@ def as_score_mods(score_mod):
 
 def _to4d(x):
     """(..., H, L, D) -> (B, H, L, D); 2-D (L, D) -> (1, 1, L, D)."""
+    if x.ndim == 4:
+        return x  # no reshape call: several µs on a torch tensor, on every attention call
     shape = tuple(x.shape)
     if x.ndim == 2:
         return x.reshape((1, 1) + shape)

@@ -38,8 +38,8 @@ class Backend:
         caps, reasons = self.caps, []
         if inp.kind not in caps.kinds:  # checked first: a NumPy call never imports torch
             reasons.append(f"takes {' or '.join(caps.kinds)} arrays, got {inp.kind}")
-        elif self.missing():
-            return [self.missing()]
+        elif missing := self.missing():
+            return [missing]
         device_type = inp.device.split(":")[0]
         if not self.accepts_device(device_type):
             reasons.append(f"runs on {'/'.join(caps.devices)}, inputs are on {inp.device}")
