@@ -33,6 +33,24 @@ def test_window(left, right, align):
     np.testing.assert_array_equal(qkv.window(left, right, align).materialize(Lq, Lk), want)
 
 
+def test_a_mask_that_forbids_nothing_is_not_applied(rng):
+    from qkv.masks import Geometry
+    window_sides = (None, 0, 1, 3)
+    masks = [qkv.causal(align) for align in ("bottom_right", "top_left")] + [
+        qkv.window(left, right, align) for left in window_sides for right in window_sides
+        for align in ("bottom_right", "top_left")]
+    for Lq, Lk in [(1, 1), (1, 7), (2, 7), (3, 3), (4, 2), (7, 1)]:
+        geom = Geometry(1, 1, Lq, Lk)
+        for mask in masks:  # exact for causal and windows: True if and only if every pair is allowed
+            assert mask.allows_every_pair(geom) == mask.materialize(Lq, Lk).all(), (mask, Lq, Lk)
+        for mask in (masks[0] & masks[-1], masks[1] | masks[2], qkv.causal() & qkv.padding([Lk])):
+            assert not mask.allows_every_pair(geom) or mask.materialize(Lq, Lk).all(), (mask, Lq, Lk)
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((2, 4, 1, 16), (2, 4, 9, 16), (2, 4, 9, 16)))
+    np.testing.assert_array_equal(qkv.attention(q, k, v, qkv.causal()), qkv.attention(q, k, v))  # a decoding step
+    assert "causal(align='bottom_right') (allows every pair at these sizes: not applied)" in str(
+        qkv.explain(q, k, v, qkv.causal()))
+
+
 def test_padding():
     kv, ql = [3, 6], [2, 5]
     want = brute(lambda b, i, j: j < kv[b] and i < ql[b], 5, 6)

@@ -351,6 +351,8 @@ def prepare(q, k, v, mask=None, *, score_mod=None, scale=None, dropout_p=0.0, se
     geom = Geometry(q4.shape[0], q4.shape[1], q4.shape[2], k4.shape[2], batch_shape)
     if mask_obj is not None:
         mask_obj.check(geom)
+        if mask_obj.allows_every_pair(geom):
+            mask_obj = None  # nothing to apply (causal over a decoding step's one query per row)
     for m in mods:
         m.check(geom)
     needs_grad = kind == "torch" and any(x.requires_grad for x in (q, k, v))

@@ -79,6 +79,11 @@ class Mask:
     def check(self, geom: Geometry) -> None:
         """Raise ValueError if the mask's parameters do not fit these sizes."""
 
+    def allows_every_pair(self, geom: Geometry) -> bool:
+        """True when, at these sizes, the mask forbids nothing (so there is nothing to apply):
+        causal with one query per row, a decoding step, is the common case. False when unsure."""
+        return False
+
     # ---- algebra --------------------------------------------------------------------------
     def __and__(self, other: "Mask") -> "Mask":
         return And(self, _as_mask(other, "&"))
@@ -245,6 +250,9 @@ class Causal(IntervalMask):
     def interval(self, b, qi, geom):
         return qi * 0 + np.iinfo(np.int64).min // 2, qi + _offset(self.align, geom)
 
+    def allows_every_pair(self, geom):
+        return _offset(self.align, geom) >= geom.Lk - 1  # the first query already sees the last key
+
     def __repr__(self):
         return f"causal(align={self.align!r})"
 
@@ -259,6 +267,12 @@ class Window(IntervalMask):
         big = np.iinfo(np.int64).max // 4
         shifted = qi + _offset(self.align, geom)
         return shifted - (big if self.left is None else self.left), shifted + (big if self.right is None else self.right)
+
+    def allows_every_pair(self, geom):
+        offset = _offset(self.align, geom)  # query i is centred on key i + offset
+        sees_first = self.left is None or geom.Lq - 1 + offset - self.left <= 0
+        sees_last = self.right is None or offset + self.right >= geom.Lk - 1
+        return sees_first and sees_last
 
     def __repr__(self):
         return f"window(left={self.left}, right={self.right}, align={self.align!r})"
@@ -312,6 +326,9 @@ class IntervalIntersection(IntervalMask):
     def check(self, geom):
         for p in self.parts:
             p.check(geom)
+
+    def allows_every_pair(self, geom):
+        return all(p.allows_every_pair(geom) for p in self.parts)
 
     def interval(self, b, qi, geom):
         (lo1, hi1), (lo2, hi2) = (p.interval(b, qi, geom) for p in self.parts)
@@ -419,6 +436,9 @@ class And(Mask):
         for p in self.parts:
             p.check(geom)
 
+    def allows_every_pair(self, geom):
+        return all(p.allows_every_pair(geom) for p in self.parts)
+
     def allowed(self, b, h, qi, ki, geom):
         return self.parts[0].allowed(b, h, qi, ki, geom) & self.parts[1].allowed(b, h, qi, ki, geom)
 
@@ -433,6 +453,9 @@ class And(Mask):
 
 
 class Or(And):
+    def allows_every_pair(self, geom):
+        return any(p.allows_every_pair(geom) for p in self.parts)
+
     def allowed(self, b, h, qi, ki, geom):
         return self.parts[0].allowed(b, h, qi, ki, geom) | self.parts[1].allowed(b, h, qi, ki, geom)
 
