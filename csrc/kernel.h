@@ -249,13 +249,15 @@ struct ForwardPlan {
   // Element strides of the output accumulated so far, along Dv and along query rows: Oᵀ
   // (Dv x np) on the tile paths, O (np x Dv) on the few-queries path.
   int64_t out_d, out_row;
-  float output(const float* O, int rr, int d) const { return O[d * out_d + rr * out_row]; }
+  int64_t output_at(int rr, int d) const { return d * out_d + rr * out_row; }
 };
 
 // A key tile of k or v as an operand with rows = keys: in place for contiguous float32,
 // else converted into `scratch` (cols x n).
+inline bool rows_in_place(const Strided4& t, qkv::DType dt) { return dt == qkv::F32 && t.s3 == 1; }
+
 inline Operand key_rows(const Strided4& t, qkv::DType dt, int b, int h, int k0, int cols, int n, float* scratch) {
-  if (dt == qkv::F32 && t.s3 == 1)
+  if (rows_in_place(t, dt))
     return {static_cast<const float*>(t.data) + b * t.s0 + h * t.s1 + int64_t(k0) * t.s2, t.s2, 1};
   load_rows(t, dt, b, h, k0, cols, cols, n, n, 1.f, scratch);
   return {scratch, n, 1};
@@ -301,7 +303,7 @@ inline void store_output(const ForwardPlan& plan, const Tile& tl, const float* m
     const int64_t at = (int64_t(tl.b) * p.Hq + tl.head(rr)) * p.Lq + tl.query(rr);
     const bool none = l[rr] == 0.f;  // no allowed key: output 0, lse -inf (NaN stays NaN)
     const float inv = none ? 0.f : 1.f / l[rr];
-    const float* src = O + rr * plan.out_row;  // output element d at src[d * step]
+    const float* src = O + plan.output_at(rr, 0);  // output element d at src[d * step]
     f.lse[at] = none ? NEG_INF : m[rr] + logf(l[rr]);
     if (p.dtype == qkv::F32) {
       float* o = static_cast<float*>(f.out) + at * p.Dv;
@@ -617,9 +619,9 @@ void few_queries_tiles(const ForwardPlan& plan, const Tile& tl, int split, Accum
 void float_tiles(const ForwardPlan& plan, const Tile& tl, int split, Accumulator& acc) {
   const Problem& p = plan.f.p;
   const int np = plan.np;
-  const bool k_converted = !(p.dtype == qkv::F32 && p.k.s3 == 1), v_converted = !(p.dtype == qkv::F32 && p.v.s3 == 1);
   Buffer QT(int64_t(p.D) * np), ST(int64_t(p.block_k) * np);
-  Buffer k_rows(k_converted ? int64_t(p.block_k) * p.D : 0), v_rows(v_converted ? int64_t(p.block_k) * p.Dv : 0);
+  Buffer k_rows(rows_in_place(p.k, p.dtype) ? 0 : int64_t(p.block_k) * p.D);
+  Buffer v_rows(rows_in_place(p.v, p.dtype) ? 0 : int64_t(p.block_k) * p.Dv);
   load_queries_transposed(p, tl, plan.G, np, QT.p);
   for_each_key_tile(plan, tl, split, acc, [&](const Tile& tj) {
     Operand K = key_rows(p.k, p.dtype, tl.b, tl.kv, tj.k0, tj.cols, p.D, k_rows.p);
@@ -699,10 +701,8 @@ void merge_item(void* ctx, int64_t rt) {
       float m_new = ms > m[rr] ? ms : m[rr];
       float a_old = expf(m[rr] - m_new), a_new = expf(ms - m_new);
       l[rr] = l[rr] * a_old + ls * a_new;
-      for (int d = 0; d < p.Dv; ++d) {
-        float& o = O[d * plan.out_d + rr * plan.out_row];
-        o = o * a_old + plan.output(part + 2 * np, rr, d) * a_new;
-      }
+      for (int d = 0; d < p.Dv; ++d)
+        O[plan.output_at(rr, d)] = O[plan.output_at(rr, d)] * a_old + part[2 * np + plan.output_at(rr, d)] * a_new;
       m[rr] = m_new;
     }
   }
