@@ -579,9 +579,9 @@ inline void values_by_rows(const Problem& p, const Tile& tj, int n, const float*
 }
 
 // The state one work item folds its key tiles into: running maxima m and sums l (np each)
-// and the output so far, transposed (Oᵀ, dv_rows x np).
+// and the output so far, O, in the plan's output layout (Oᵀ on the tile paths).
 struct Accumulator {
-  float *m, *l, *OT;
+  float *m, *l, *O;
   int64_t computed = 0, masked = 0;  // key tiles run, and those of them with a mask applied
 };
 
@@ -600,8 +600,7 @@ inline void for_each_key_tile(const ForwardPlan& plan, const Tile& tl, int split
 void few_queries_tiles(const ForwardPlan& plan, const Tile& tl, int split, Accumulator& acc) {
   const Problem& p = plan.f.p;
   const int n = tl.n(), n4 = round_up(n, 4), ld = round_up(p.block_k, W);
-  Buffer Q(int64_t(n) * p.D), S(int64_t(n4) * ld);
-  float* O = acc.OT;  // (n4 x Dv) rows of the zeroed output (out_d = 1, out_row = Dv), n4 <= np
+  Buffer Q(int64_t(n) * p.D), S(int64_t(n4) * ld);  // acc.O: n4 <= np zeroed rows of Dv (out_row = Dv)
   for (int g = 0; g < plan.G; ++g)
     load_rows(p.q, p.dtype, tl.b, tl.kv * plan.G + g, tl.q0, tl.rows, tl.rows, p.D, p.D, p.scale,
               Q.p + int64_t(g) * tl.rows * p.D);
@@ -609,8 +608,8 @@ void few_queries_tiles(const ForwardPlan& plan, const Tile& tl, int split, Accum
   for_each_key_tile(plan, tl, split, acc, [&](const Tile& tj) {
     scores_by_rows(p, tj, n, Q.p, S.p, ld);
     apply_rule(tj, S.p, ld, 1);
-    online_softmax_rows(n, tj.cols, ld, p.Dv, S.p, acc.m, acc.l, O);
-    values_by_rows(p, tj, n, S.p, ld, O);
+    online_softmax_rows(n, tj.cols, ld, p.Dv, S.p, acc.m, acc.l, acc.O);
+    values_by_rows(p, tj, n, S.p, ld, acc.O);
   });
 }
 
@@ -628,8 +627,8 @@ void float_tiles(const ForwardPlan& plan, const Tile& tl, int split, Accumulator
     Operand V = key_rows(p.v, p.dtype, tl.b, tl.kv, tj.k0, tj.cols, p.Dv, v_rows.p);
     gemm(tj.cols, np, p.D, K, QT.p, np, ST.p, np, false);  // Sᵀ = K·Qᵀ (keys x queries)
     apply_rule(tj, ST.p, 1, np);
-    online_softmax_columns(tj.cols, np, p.Dv, ST.p, acc.m, acc.l, acc.OT);
-    gemm(p.Dv, np, tj.cols, transposed(V), ST.p, np, acc.OT, np, true);  // Oᵀ += Vᵀ·Pᵀ
+    online_softmax_columns(tj.cols, np, p.Dv, ST.p, acc.m, acc.l, acc.O);
+    gemm(p.Dv, np, tj.cols, transposed(V), ST.p, np, acc.O, np, true);  // Oᵀ += Vᵀ·Pᵀ
   });
 }
 
@@ -651,8 +650,8 @@ void amx_tiles(const ForwardPlan& plan, const Tile& tl, int split, Accumulator& 
     amx_matmul(keys_pad, np, Dpad, K, ldk, QB, ST.p, np, false);  // Sᵀ = K·Qᵀ (keys x queries)
     if (modified) scale_tile(ST.p, tj.cols, np, p.scale);  // modifiers see scaled scores
     apply_rule(tj, ST.p, 1, np);  // masked scores become -inf, scaled or not
-    softmax_to_bf16_pairs(tj.cols, keys_pad, np, p.Dv, ST.p, modified ? 1.f : p.scale, acc.m, acc.l, acc.OT, PB);
-    amx_matmul(plan.dv_rows, np, keys_pad, plan.values->tile(tl.r, tj.j), plan.values->bk_pad, PB, acc.OT, np,
+    softmax_to_bf16_pairs(tj.cols, keys_pad, np, p.Dv, ST.p, modified ? 1.f : p.scale, acc.m, acc.l, acc.O, PB);
+    amx_matmul(plan.dv_rows, np, keys_pad, plan.values->tile(tl.r, tj.j), plan.values->bk_pad, PB, acc.O, np,
                true);  // Oᵀ += Vᵀ·Pᵀ
   });
   _tile_release();
@@ -670,14 +669,14 @@ void forward_item(void* ctx, int64_t item) {
   Buffer own(plan.splits > 1 ? 0 : int64_t(np) * (2 + plan.dv_rows));
   Accumulator acc;
   acc.m = plan.splits > 1 ? plan.partial + item * plan.partial_stride : own.p;
-  acc.l = acc.m + np, acc.OT = acc.l + np;
-  fill(acc.m, np, NEG_INF), fill(acc.l, np, 0.f), fill(acc.OT, int64_t(plan.dv_rows) * np, 0.f);
+  acc.l = acc.m + np, acc.O = acc.l + np;
+  fill(acc.m, np, NEG_INF), fill(acc.l, np, 0.f), fill(acc.O, int64_t(plan.dv_rows) * np, 0.f);
   if (plan.few_queries) few_queries_tiles(plan, tl, split, acc);
 #if defined(QKV_AMX)
   else if (plan.amx) amx_tiles(plan, tl, split, acc);
 #endif
   else float_tiles(plan, tl, split, acc);
-  if (plan.splits == 1) store_output(plan, tl, acc.m, acc.l, acc.OT);
+  if (plan.splits == 1) store_output(plan, tl, acc.m, acc.l, acc.O);
   if (plan.f.tile_counts) {  // a builtin, not std::atomic: no shared inline templates here
     __atomic_fetch_add(&plan.f.tile_counts[0], acc.computed, __ATOMIC_RELAXED);
     __atomic_fetch_add(&plan.f.tile_counts[1], acc.masked, __ATOMIC_RELAXED);
