@@ -15,13 +15,14 @@
 namespace QKV_ISA_NS {
 
 constexpr float LOG2E = 1.4426950408889634f;
-// 2^f ~ 1 + c1 f + c2 f^2 + ... on |f| <= 1/2 (near-minimax fits in relative error), constant
-// term first. Degree 6: relative error 6e-8. Degree 5: 1.9e-7, for the bfloat16 path, whose
+// 2^f ~ 1 + c1 f + c2 f^2 + ... on 0 <= f < 1, constant term first: near-minimax fits of 2^g
+// on |g| <= 1/2 in relative error, moved to f = g + 1/2 (times sqrt 2), which keeps their
+// error. Degree 6: relative error 7e-8. Degree 5: 1.8e-7, for the bfloat16 path, whose
 // probabilities are rounded to bfloat16 but whose float32 sums give the float32 lse.
-constexpr float EXP2_DEGREE6[] = {1.f, 0.6931471824645996f, 0.24022647738456726f, 0.055503323674201965f,
-                                  0.00961843691766262f, 0.0013398875016719103f, 0.00015353361959569156f};
-constexpr float EXP2_DEGREE5[] = {1.f, 0.6931470036506653f, 0.24022242426872253f, 0.05550733581185341f,
-                                  0.009671512991189957f, 0.001326472731307149f};
+constexpr float EXP2_DEGREE6[] = {1.f, 0.6931469440460205f, 0.24022994935512543f, 0.0554828979074955f,
+                                  0.009679540991783142f, 0.001243499107658863f, 0.000217129330849275f};
+constexpr float EXP2_DEGREE5[] = {0.9999998807907104f, 0.6931539177894592f, 0.24014845490455627f,
+                                  0.0558338463306427f, 0.008987795561552048f, 0.0018759156810119748f};
 
 // The polynomial c[0] + c[1] f + ... + c[N-1] f^(N-1) by Horner's rule, for any vector type below.
 template <class V, int N>
@@ -31,7 +32,7 @@ inline V horner(const float (&c)[N], V f) {
   return p;
 }
 template <class V>
-inline V exp2_fraction(V f) {  // 2^f for |f| <= 1/2
+inline V exp2_fraction(V f) {  // 2^f for 0 <= f < 1
   return horner(EXP2_DEGREE6, f);
 }
 template <class V>
@@ -59,14 +60,14 @@ struct Vec {
   }
   float reduce_max() const { return _mm512_reduce_max_ps(v); }
   float reduce_add() const { return _mm512_reduce_add_ps(v); }
-  // 2^t for t <= 0 as 2^n * 2^f, n = round(t), |f| <= 1/2, 2^f by `fraction`; 0 below the
-  // float range (no denormals) and for -inf, NaN stays NaN.
+  // 2^t for t <= 0 as 2^floor(t) * 2^f, f = t - floor(t) in [0, 1) by one VREDUCEPS, 2^f by
+  // `fraction`, and VSCALEFPS, which floors t itself; 0 below the float range (no denormals)
+  // and for -inf, NaN stays NaN.
   template <Vec (*fraction)(Vec)>
   static Vec exp2_by(__m512 t) {
-    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 p = fraction(Vec{_mm512_sub_ps(t, n)}).v;
+    __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     __mmask16 in_range = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.f), _CMP_NLT_UQ);  // NaN too
-    return {_mm512_maskz_scalef_ps(in_range, p, n)};
+    return {_mm512_maskz_scalef_ps(in_range, fraction(Vec{f}).v, t)};
   }
   // exp(x) for x <= 0 (scores minus their row max) = 2^(x * log2(e)), degree-6 fraction.
   static Vec exp(Vec x) { return exp2_by<exp2_fraction<Vec>>(_mm512_mul_ps(x.v, _mm512_set1_ps(LOG2E))); }
@@ -106,7 +107,7 @@ struct Vec {
     __m256 tiny = _mm256_cmp_ps(t, _mm256_set1_ps(-126.f), _CMP_LT_OQ);  // also -inf
     __m256 tc = _mm256_max_ps(t, _mm256_set1_ps(-126.f));  // keeps 2^n in range; NaN passes through
     tc = _mm256_blendv_ps(tc, t, _mm256_cmp_ps(t, t, _CMP_UNORD_Q));
-    __m256 n = _mm256_round_ps(tc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 n = _mm256_round_ps(tc, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     __m256 p = exp2_fraction(Vec{_mm256_sub_ps(tc, n)}).v;
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
