@@ -276,8 +276,45 @@ inline Vec column_max(const float* ST, int cols, int np, int q) {
   return Vec::max(Vec::max(mx[0], mx[1]), Vec::max(mx[2], mx[3]));
 }
 
+// A byte range brought into L1 one cache line per call, spread over the softmax loop: the
+// next key tile's K and this tile's V arrive while the vector units work, instead of stalling
+// the products that read them from L2.
+struct Prefetch {
+  const char* p = nullptr;
+  int64_t bytes = 0, at = 0;
+  void next_line() {
+    if (at < bytes) __builtin_prefetch(p + at, 0, 3), at += 64;
+  }
+};
+
+// The rows k0 .. k0 + count of k or v (b, h), n elements each (nothing when rows are strided).
+inline Prefetch rows_span(const Strided4& t, qkv::DType dt, int b, int h, int k0, int count, int n) {
+  Prefetch span;
+  if (t.s3 != 1 || count <= 0) return span;
+  const int64_t size = dt == qkv::F32 ? 4 : 2;
+  span.p = static_cast<const char*>(t.data) + (b * t.s0 + h * t.s1 + int64_t(k0) * t.s2) * size;
+  span.bytes = ((count - 1) * t.s2 + n) * size;
+  return span;
+}
+
+struct Ahead {
+  Prefetch keys, values;  // of the next key tile and of this one
+  void next() { keys.next_line(), values.next_line(); }
+};
+
+// Ahead of key tile tj: K of the next key tile in the item's split (EMPTY or not), no values.
+inline Ahead next_keys(const ForwardPlan& plan, const Tile& tj, int split) {
+  const Problem& p = plan.f.p;
+  Ahead ahead;
+  if (tj.j + 1 < imin(plan.nk, (split + 1) * plan.tiles_per_split)) {
+    const int k0 = tj.k0 + p.block_k;
+    ahead.keys = rows_span(p.k, p.dtype, tj.b, tj.kv, k0, imin(p.block_k, p.Lk - k0), p.D);
+  }
+  return ahead;
+}
+
 // Fold one tile of transposed scores ST (cols x np) into m, l (np) and OT (Dv x np); ST becomes Pᵀ.
-inline void online_softmax_columns(int cols, int np, int Dv, float* ST, float* m, float* l, float* OT) {
+inline void online_softmax_columns(int cols, int np, int Dv, float* ST, float* m, float* l, float* OT, Ahead& ahead) {
   for (int q = 0; q < np; q += W) {
     const Vec mx = column_max(ST, cols, np, q);
     Vec m_old = Vec::load(m + q), m_new = Vec::max(m_old, mx);
@@ -288,6 +325,7 @@ inline void online_softmax_columns(int cols, int np, int Dv, float* ST, float* m
       Vec e = Vec::exp(Vec::load(s) - shift);
       e.store(s);
       sum = sum + e;
+      ahead.next();
     }
     (Vec::load(l + q) * alpha + sum).store(l + q);
     m_new.store(m + q);
@@ -450,7 +488,7 @@ void pack_values_item(void* ctx, int64_t rj) {  // one (row, key tile)
 // (cols x np, times `scale`) into m, l (np) and OT (Dv x np), writing P straight out as bf16
 // VNNI pairs of keys, (keys_pad/2) x np x 2 (keys past cols are 0). ST is only read.
 inline void softmax_to_bf16_pairs(int cols, int keys_pad, int np, int Dv, const float* ST, float scale, float* m,
-                                  float* l, float* OT, uint16_t* PB) {
+                                  float* l, float* OT, uint16_t* PB, Ahead& ahead) {
   const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
                                               22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const Vec scaled = Vec::set1(scale), scaled_log2 = Vec::set1(scale * LOG2E);
@@ -470,6 +508,7 @@ inline void softmax_to_bf16_pairs(int cols, int keys_pad, int np, int Dv, const 
       sum = sum + (even + odd);  // one add on the loop-carried chain
       __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd.v, even.v);  // words 0-15: even, 16-31: odd
       _mm512_storeu_si512(PB + int64_t(c / 2) * np * 2 + q * 2, _mm512_permutexvar_epi16(interleave, both));
+      ahead.next();
     }
     (Vec::load(l + q) * alpha + sum).store(l + q);
     m_new.store(m + q);
@@ -625,9 +664,11 @@ void float_tiles(const ForwardPlan& plan, const Tile& tl, int split, Accumulator
   for_each_key_tile(plan, tl, split, acc, [&](const Tile& tj) {
     Operand K = key_rows(p.k, p.dtype, tl.b, tl.kv, tj.k0, tj.cols, p.D, k_rows.p);
     Operand V = key_rows(p.v, p.dtype, tl.b, tl.kv, tj.k0, tj.cols, p.Dv, v_rows.p);
+    Ahead ahead = next_keys(plan, tj, split);
+    if (rows_in_place(p.v, p.dtype)) ahead.values = rows_span(p.v, p.dtype, tl.b, tl.kv, tj.k0, tj.cols, p.Dv);
     gemm(tj.cols, np, p.D, K, QT.p, np, ST.p, np, false);  // Sᵀ = K·Qᵀ (keys x queries)
     apply_rule(tj, ST.p, 1, np);
-    online_softmax_columns(tj.cols, np, p.Dv, ST.p, acc.m, acc.l, acc.O);
+    online_softmax_columns(tj.cols, np, p.Dv, ST.p, acc.m, acc.l, acc.O, ahead);
     gemm(p.Dv, np, tj.cols, transposed(V), ST.p, np, acc.O, np, true);  // Oᵀ += Vᵀ·Pᵀ
   });
 }
@@ -650,9 +691,12 @@ void amx_tiles(const ForwardPlan& plan, const Tile& tl, int split, Accumulator& 
     amx_matmul(keys_pad, np, Dpad, K, ldk, QB, ST.p, np, false);  // Sᵀ = K·Qᵀ (keys x queries)
     if (modified) scale_tile(ST.p, tj.cols, np, p.scale);  // modifiers see scaled scores
     apply_rule(tj, ST.p, 1, np);  // masked scores become -inf, scaled or not
-    softmax_to_bf16_pairs(tj.cols, keys_pad, np, p.Dv, ST.p, modified ? 1.f : p.scale, acc.m, acc.l, acc.O, PB);
-    amx_matmul(plan.dv_rows, np, keys_pad, plan.values->tile(tl.r, tj.j), plan.values->bk_pad, PB, acc.O, np,
-               true);  // Oᵀ += Vᵀ·Pᵀ
+    const uint16_t* values = plan.values->tile(tl.r, tj.j);
+    Ahead ahead = next_keys(plan, tj, split);
+    ahead.values = {reinterpret_cast<const char*>(values), int64_t(plan.dv_rows) * plan.values->bk_pad * 2};
+    softmax_to_bf16_pairs(tj.cols, keys_pad, np, p.Dv, ST.p, modified ? 1.f : p.scale, acc.m, acc.l, acc.O, PB,
+                          ahead);
+    amx_matmul(plan.dv_rows, np, keys_pad, values, plan.values->bk_pad, PB, acc.O, np, true);  // Oᵀ += Vᵀ·Pᵀ
   });
   _tile_release();
 }
