@@ -28,6 +28,11 @@ else:
     _import_error = None
 
 BLOCK_Q, BLOCK_K = 64, 128
+# Unmasked bfloat16 forwards on AMX tiles with one query head per KV head: larger tiles halve
+# the loads and stores of the output accumulator per score (B=1, H=8, L=4096, D=64: 3-12%
+# faster). Masked calls keep the smaller tiles, which waste less on the diagonal (causal was
+# 6% slower with the larger ones), and so do grouped heads, whose tiles stack G heads.
+AMX_BLOCK_Q, AMX_BLOCK_K = 128, 256
 
 
 def default_threads() -> int:
@@ -54,6 +59,9 @@ class NativeBackend(Backend):
         return inline_score_mod_reasons(inp, (Alibi, Bias, Softcap), "the native kernel")
 
     def block_sizes(self, inp):
+        """The forward's (block_q, block_k); the backward always runs on BLOCK_Q x BLOCK_K."""
+        if inp.dtype == "bfloat16" and inp.mask is None and inp.group == 1 and _native and _native.isa() == "amx":
+            return AMX_BLOCK_Q, AMX_BLOCK_K
         return BLOCK_Q, BLOCK_K
 
     def forward(self, inp):
@@ -64,8 +72,9 @@ class NativeBackend(Backend):
     def run_forward(self, inp, q, k, v):
         out, lse = _empty(q, (inp.B, inp.Hq, inp.Lq, inp.Dv)), _empty(q, (inp.B, inp.Hq, inp.Lq), "float32")
         counts = None if base.tile_counter is None else np.zeros(2, dtype=np.int64)
-        _native.forward(*_for_kernel(q, k, v, out, lse), inp.scale, BLOCK_Q, BLOCK_K, self.num_threads,
-                        **kernel_extras(inp), tile_counts=counts)
+        blocks = self.block_sizes(inp)
+        _native.forward(*_for_kernel(q, k, v, out, lse), inp.scale, *blocks, self.num_threads,
+                        **kernel_extras(inp, blocks), tile_counts=counts)
         if counts is not None:
             base.count_tiles(computed=int(counts[0]), masked=int(counts[1]))
         return out, lse
@@ -77,12 +86,12 @@ class NativeBackend(Backend):
         delta = softmax_delta(out, dout, dlse)
         dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
         _native.backward(*_for_kernel(q, k, v, dout, lse.contiguous(), delta.contiguous(), dq, dk, dv), inp.scale,
-                         BLOCK_Q, BLOCK_K, self.num_threads, **kernel_extras(inp))
+                         BLOCK_Q, BLOCK_K, self.num_threads, **kernel_extras(inp, (BLOCK_Q, BLOCK_K)))
         return dq, dk, dv
 
     def workspace_bytes(self, inp):
         threads = self.num_threads
-        return tile_workspace(threads, BLOCK_Q, BLOCK_K, inp.group, inp.D, inp.Dv, "float32") \
+        return tile_workspace(threads, *self.block_sizes(inp), inp.group, inp.D, inp.Dv, "float32") \
             + 4 * inp.B * inp.Hq * inp.Lq
 
 
@@ -106,8 +115,8 @@ def _empty(like, shape, dtype=None):
     return np.empty(shape, dtype=like.dtype if dtype is None else dtype)
 
 
-def kernel_extras(inp) -> dict:
-    """The kernel's keyword arguments for this call's mask and score modifiers."""
+def kernel_extras(inp, blocks) -> dict:
+    """The kernel's keyword arguments for this call's mask and score modifiers, tiled (block_q, block_k)."""
     extras = dict(tile_class=None, lo=None, hi=None, bitmap_index=None, bitmaps=None, alibi=None, softcap=0.0,
                   bias=None)
     for mod in inp.score_mods:
@@ -119,12 +128,12 @@ def kernel_extras(inp) -> dict:
             extras["bias"] = _float32_bias(mod)
     if inp.mask is None:
         return extras
-    classes = row_tile_classes(inp, BLOCK_Q, BLOCK_K)  # (R, nq, nk)
+    classes = row_tile_classes(inp, *blocks)  # (R, nq, nk)
     extras["tile_class"] = np.ascontiguousarray(classes)
     if isinstance(inp.mask, IntervalMask):
         extras["lo"], extras["hi"] = key_intervals(inp.mask, inp)
     else:
-        extras["bitmap_index"], extras["bitmaps"] = _partial_bitmaps(inp, classes)
+        extras["bitmap_index"], extras["bitmaps"] = _partial_bitmaps(inp, classes, blocks)
     return extras
 
 
@@ -135,24 +144,25 @@ def _float32_bias(mod):
     return np.asarray(bias, dtype=np.float32)
 
 
-def _partial_bitmaps(inp, classes):
-    """Allowed pairs of every PARTIAL tile: index (R, nq, nk) -> bitmap (n, G, BLOCK_Q, BLOCK_K) uint8."""
+def _partial_bitmaps(inp, classes, blocks):
+    """Allowed pairs of every PARTIAL tile: index (R, nq, nk) -> bitmap (n, G, block_q, block_k) uint8."""
+    block_q, block_k = blocks
     partial = classes == PARTIAL
     index = np.full(classes.shape, -1, dtype=np.int32)
     index[partial] = np.arange(int(partial.sum()), dtype=np.int32)
     G, nk = inp.group, classes.shape[2]
-    bitmaps = np.zeros((int(partial.sum()), G, BLOCK_Q, BLOCK_K), dtype=np.uint8)
+    bitmaps = np.zeros((int(partial.sum()), G, block_q, block_k), dtype=np.uint8)
     probe = np.zeros(0)
     for t in range(classes.shape[1]):
         rows_here = partial[:, t, :]  # (R, nk)
         if not rows_here.any():
             continue
-        q0, q1 = t * BLOCK_Q, min((t + 1) * BLOCK_Q, inp.Lq)
-        b, h, qi, ki = tile_indices(probe, np.arange(inp.B), np.arange(inp.Hq), q0, q1, 0, nk * BLOCK_K)
+        q0, q1 = t * block_q, min((t + 1) * block_q, inp.Lq)
+        b, h, qi, ki = tile_indices(probe, np.arange(inp.B), np.arange(inp.Hq), q0, q1, 0, nk * block_k)
         band = np.broadcast_to(inp.mask.allowed(b, h, qi, np.minimum(ki, inp.Lk - 1), inp.geom),
-                               (inp.B, inp.Hq, q1 - q0, nk * BLOCK_K))
+                               (inp.B, inp.Hq, q1 - q0, nk * block_k))
         # (B, Hkv, G, rows, nk, bk) -> (R, nk, G, rows, bk)
-        tiles = band.reshape(inp.B, inp.Hkv, G, q1 - q0, nk, BLOCK_K).transpose(0, 1, 4, 2, 3, 5)
-        tiles = tiles.reshape(inp.B * inp.Hkv, nk, G, q1 - q0, BLOCK_K)
+        tiles = band.reshape(inp.B, inp.Hkv, G, q1 - q0, nk, block_k).transpose(0, 1, 4, 2, 3, 5)
+        tiles = tiles.reshape(inp.B * inp.Hkv, nk, G, q1 - q0, block_k)
         bitmaps[index[:, t, :][rows_here], :, : q1 - q0, :] = tiles[rows_here]
     return index, bitmaps
