@@ -140,9 +140,8 @@ def explain(q, k, v, mask=None, *, score_mod=None, scale=None, dropout_p=0.0, se
     and the extra memory it will use. Raises like `attention` would."""
     inp = inputs.prepare(q, k, v, mask, score_mod=score_mod, scale=scale, dropout_p=dropout_p, seed=seed)
     choice = dispatch.choose(inp, backend, every_refusal=True)
-    given = inputs.as_mask(mask, inp.kind, inp.dtype)[0]
-    mask_text = repr(inp.mask) if inp.mask is not None or given is None else \
-        f"{given!r} (allows every pair at these sizes: not applied)"
+    mask_text = repr(inp.mask) if inp.dropped_mask is None else \
+        f"{inp.dropped_mask!r} (allows every pair at these sizes: not applied)"
     shapes = (f"{inp.kind} {inp.dtype} on {inp.device}; q {tuple(q.shape)}, k {tuple(k.shape)}, "
               f"v {tuple(v.shape)}; mask {mask_text}; score_mod {list(inp.score_mods)}")
     formula = 2 * inp.B * inp.Hq * inp.Lq * inp.Lk * nbytes(compute_dtype_name(inp.dtype))

@@ -174,6 +174,7 @@ class AttentionInputs:
     seed: int | None = None
     needs_grad: bool = False
     geom: object = field(default=None)
+    dropped_mask: object = None  # a mask given but not applied: it forbids nothing at these sizes
 
     @property
     def B(self): return self.q.shape[0]
@@ -349,13 +350,14 @@ def prepare(q, k, v, mask=None, *, score_mod=None, scale=None, dropout_p=0.0, se
     head_shape = tuple(q.shape[-3:-2]) if q.ndim >= 3 else ()
     q4, k4, v4 = _to4d(q), _to4d(k), _to4d(v)
     geom = Geometry(q4.shape[0], q4.shape[1], q4.shape[2], k4.shape[2], batch_shape)
+    dropped_mask = None
     if mask_obj is not None:
         mask_obj.check(geom)
-        if mask_obj.allows_every_pair(geom):
-            mask_obj = None  # nothing to apply (causal over a decoding step's one query per row)
+        if mask_obj.allows_every_pair(geom):  # causal over a decoding step's one query per row
+            mask_obj, dropped_mask = None, mask_obj
     for m in mods:
         m.check(geom)
     needs_grad = kind == "torch" and any(x.requires_grad for x in (q, k, v))
     device = str(q.device) if kind == "torch" else "cpu"
     return AttentionInputs(q4, k4, v4, kind, dtype, device, batch_shape, head_shape, scale,
-                           mask_obj, mods, dropout_p, seed, needs_grad, geom)
+                           mask_obj, mods, dropout_p, seed, needs_grad, geom, dropped_mask)

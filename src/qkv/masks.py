@@ -319,8 +319,11 @@ class PrefixLM(IntervalMask):
         return f"prefix_lm(lengths={self.lengths.tolist()})"
 
 
-class IntervalIntersection(IntervalMask):
-    def __init__(self, a: IntervalMask, b: IntervalMask):
+class _Intersection:
+    """What both intersections of two masks (interval or general) share: the two parts,
+    checked together, forbidding nothing only when neither forbids anything."""
+
+    def __init__(self, a: Mask, b: Mask):
         self.parts = (a, b)
 
     def check(self, geom):
@@ -330,13 +333,15 @@ class IntervalIntersection(IntervalMask):
     def allows_every_pair(self, geom):
         return all(p.allows_every_pair(geom) for p in self.parts)
 
+    def __repr__(self):
+        return f"({self.parts[0]!r} & {self.parts[1]!r})"
+
+
+class IntervalIntersection(_Intersection, IntervalMask):
     def interval(self, b, qi, geom):
         (lo1, hi1), (lo2, hi2) = (p.interval(b, qi, geom) for p in self.parts)
         xp = _arrays.namespace(qi)
         return xp.maximum(lo1, lo2), xp.minimum(hi1, hi2)
-
-    def __repr__(self):
-        return f"({self.parts[0]!r} & {self.parts[1]!r})"
 
 
 # ======================================================================================
@@ -427,17 +432,10 @@ def _dense_lookup(arr4, b, h, qi, ki):
     return arr4[idx[0], idx[1], idx[2], idx[3]]
 
 
-class And(Mask):
+class And(_Intersection, Mask):
     def __init__(self, a: Mask, b: Mask):
-        self.parts = (a, b)
+        super().__init__(a, b)
         self.head_independent = a.head_independent and b.head_independent
-
-    def check(self, geom):
-        for p in self.parts:
-            p.check(geom)
-
-    def allows_every_pair(self, geom):
-        return all(p.allows_every_pair(geom) for p in self.parts)
 
     def allowed(self, b, h, qi, ki, geom):
         return self.parts[0].allowed(b, h, qi, ki, geom) & self.parts[1].allowed(b, h, qi, ki, geom)
@@ -447,9 +445,6 @@ class And(Mask):
         out = np.where((x == EMPTY) | (y == EMPTY), EMPTY,
                        np.where(x == FULL, y, np.where(y == FULL, x, _MAYBE)))
         return out.astype(np.int8)
-
-    def __repr__(self):
-        return f"({self.parts[0]!r} & {self.parts[1]!r})"
 
 
 class Or(And):
