@@ -302,11 +302,13 @@ struct Ahead {
   void next() { keys.next_line(), values.next_line(); }
 };
 
-// Ahead of key tile tj: K of the next key tile in the item's split (EMPTY or not), no values.
+// Ahead of key tile tj: K of the next key tile in the item's split unless it is EMPTY (as past
+// a causal diagonal), no values.
 inline Ahead next_keys(const ForwardPlan& plan, const Tile& tj, int split) {
   const Problem& p = plan.f.p;
   Ahead ahead;
-  if (tj.j + 1 < imin(plan.nk, (split + 1) * plan.tiles_per_split)) {
+  const int j = tj.j + 1;
+  if (j < imin(plan.nk, (split + 1) * plan.tiles_per_split) && tile_class(p, tj.r, tj.t, j) != qkv::EMPTY) {
     const int k0 = tj.k0 + p.block_k;
     ahead.keys = rows_span(p.k, p.dtype, tj.b, tj.kv, k0, imin(p.block_k, p.Lk - k0), p.D);
   }
