@@ -23,7 +23,7 @@ SHAPES = {  # (B, Hq, Hkv, Lq, Lk, D, Dv)
     "decode": (1, 8, 2, 1, 5000, 128, 128),  # few queries, many keys: the key-split path
     "odd": (1, 3, 1, 77, 131, 40, 24),
     "split_query_tiles": (1, 2, 1, 200, 3000, 32, 32),  # key splits merged per query tile (nq > 1)
-    "one_head_per_kv": (1, 2, 2, 300, 600, 64, 48),  # unmasked bfloat16 on AMX: 128 x 256 tiles, last ones partial
+    "one_head_per_kv": (1, 2, 2, 300, 600, 64, 48),  # unmasked bfloat16 on AMX: 128 x 256 tiles, partial last ones
 }
 
 
@@ -62,19 +62,21 @@ def test_bitwise_identical_across_threads_and_calls(shape, dtype, mask):
         assert torch.equal(a, b) and torch.equal(b, c)
 
 
+@pytest.mark.parametrize("shape", ["one_head_per_kv", "square"])
 @pytest.mark.parametrize("mask", [None, "causal"])
-def test_tile_sizes_by_call(mask):
-    """Unmasked bfloat16 with one query head per KV head takes the larger AMX tiles where AMX
-    runs; everything else the default tiles. Both agree with the float64 oracle."""
+def test_tile_sizes_by_call(shape, mask):
+    """Unmasked bfloat16 takes the larger AMX tiles where AMX runs (about 128 queries over the
+    group's heads, 256 keys); everything else the default tiles. Both agree with the float64
+    oracle."""
     from qkv import _native, inputs
-    from qkv.backends.native import AMX_BLOCK_K, AMX_BLOCK_Q, BLOCK_K, BLOCK_Q
+    from qkv.backends.native import AMX_BLOCK_K, AMX_QUERIES, BLOCK_K, BLOCK_Q
 
     m = None if mask is None else qkv.causal()
-    q, k, v = _inputs(SHAPES["one_head_per_kv"], torch.bfloat16)
+    q, k, v = _inputs(SHAPES[shape], torch.bfloat16)
+    inp = inputs.prepare(q, k, v, m)
     large = mask is None and _native.isa() == "amx"
-    assert native.block_sizes(inputs.prepare(q, k, v, m)) == ((AMX_BLOCK_Q, AMX_BLOCK_K) if large else (BLOCK_Q, BLOCK_K))
-    grouped = _inputs(SHAPES["square"], torch.bfloat16)
-    assert native.block_sizes(inputs.prepare(*grouped)) == (BLOCK_Q, BLOCK_K)
+    want = (AMX_QUERIES // inp.group, AMX_BLOCK_K) if large else (BLOCK_Q, BLOCK_K)
+    assert native.block_sizes(inp) == want
     check_backend("native", (q, k, v), tuple(to64(x) for x in (q, k, v)), "bfloat16", mask=m)
 
 
