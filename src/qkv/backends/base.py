@@ -140,6 +140,8 @@ def softmax_delta(out, dout, dlse):
 def inline_score_mod_reasons(inp, inline_kinds: tuple, who: str) -> list[str]:
     """Reasons a kernel that applies `inline_kinds` modifiers inline (each at most once,
     softcap last) cannot run these score modifiers."""
+    if not inp.score_mods:
+        return []
     kinds = [type(m) for m in inp.score_mods]
     names = lambda ks: ", ".join(_MOD_NAMES.get(k, k.__name__) for k in ks)  # noqa: E731
     others = [k for k in kinds if k not in inline_kinds]

@@ -71,7 +71,8 @@ class NativeBackend(Backend):
         return self.run_forward(inp, inp.q, inp.k, inp.v)
 
     def run_forward(self, inp, q, k, v):
-        out, lse = _empty(q, (inp.B, inp.Hq, inp.Lq, inp.Dv)), _empty(q, (inp.B, inp.Hq, inp.Lq), "float32")
+        B, Hq, Lq = q.shape[:3]
+        out, lse = _empty(inp.kind, q.dtype, (B, Hq, Lq, inp.Dv)), _empty(inp.kind, "float32", (B, Hq, Lq))
         counts = None if base.tile_counter is None else np.zeros(2, dtype=np.int64)
         blocks = self.block_sizes(inp)
         _native.forward(*_for_kernel(q, k, v, out, lse), inp.scale, *blocks, self.num_threads,
@@ -107,13 +108,13 @@ def _for_kernel(*arrays):
     return tuple(to_dlpack(x) for x in arrays)
 
 
-def _empty(like, shape, dtype=None):
-    """An uninitialised array of like's kind, in like's dtype or the named one."""
-    if _arrays.is_torch(like):
+def _empty(kind, dtype, shape):
+    """An uninitialised array of this kind ("numpy" or "torch"), dtype (a dtype object or name)."""
+    if kind == "torch":
         import torch
 
-        return torch.empty(shape, dtype=like.dtype if dtype is None else getattr(torch, dtype))
-    return np.empty(shape, dtype=like.dtype if dtype is None else dtype)
+        return torch.empty(shape, dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+    return np.empty(shape, dtype=dtype)
 
 
 def kernel_extras(inp, blocks) -> dict:
