@@ -123,7 +123,7 @@ def check_rule_result(name, result):
 def check_dense_mask(name, array):
     if _arrays.kind_of(array) is None:
         raise TypeError(f"{name} must be a numpy.ndarray or torch.Tensor, got {type(array).__name__}")
-    if _dtype_name(array) != "bool":
+    if dtype_name(array) != "bool":
         raise TypeError(f"{name} must be boolean (True = attend), got dtype {array.dtype}")
     return array
 
@@ -151,7 +151,8 @@ def fit_dense(name, array, geom):
 _DTYPE_NAMES: dict = {}  # dtype object -> "float32", ...: str() of a dtype costs ~0.5 µs a call
 
 
-def _dtype_name(x) -> str:
+def dtype_name(x) -> str:
+    """The name of an array's dtype without the "torch." prefix: "float32", "bfloat16", "bool"..."""
     name = _DTYPE_NAMES.get(x.dtype)
     if name is None:
         name = _DTYPE_NAMES[x.dtype] = str(x.dtype).replace("torch.", "")
@@ -220,7 +221,7 @@ def _check_tensor(name, x, kind):
         raise TypeError(f"{name} must be a numpy.ndarray or torch.Tensor, got {type(x).__name__}")
     if kind is not None and got != kind:
         raise TypeError(f"q, k and v must all be NumPy arrays or all torch tensors; q is {kind}, {name} is {got}")
-    dtype = _dtype_name(x)
+    dtype = dtype_name(x)
     if dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must have a floating dtype ({', '.join(FLOAT_DTYPES)}), got {dtype}")
     if x.ndim < 2:
@@ -306,7 +307,7 @@ def as_mask(mask, kind, dtype):
                         f"(additive bias); got {type(mask).__name__}")
     if got != kind:
         raise TypeError(f"mask must be of the same kind as q ({kind}), got {got}")
-    mdtype = _dtype_name(mask)
+    mdtype = dtype_name(mask)
     if mdtype == "bool":
         return masks.DenseMask(mask), ()
     if mdtype in FLOAT_DTYPES:
@@ -344,7 +345,7 @@ def _to4d(x):
 def prepare(q, k, v, mask=None, *, score_mod=None, scale=None, dropout_p=0.0, seed=None) -> AttentionInputs:
     """Validate one attention call and normalise it (see AttentionInputs)."""
     kind = check_qkv(q, k, v)
-    dtype = _dtype_name(q)
+    dtype = dtype_name(q)
     scale = check_scale(scale, q.shape[-1])
     dropout_p, seed = check_dropout(dropout_p, seed)
     mask_obj, bias_mods = as_mask(mask, kind, dtype)

@@ -217,7 +217,7 @@ def _with_causal(mask, q):
 
     Returns (mask, score_mod): a float mask is an additive bias, so it travels as a score modifier.
     """
-    mask_obj, biases = inputs.as_mask(mask, _arrays.kind_of(q), str(q.dtype).replace("torch.", ""))
+    mask_obj, biases = inputs.as_mask(mask, _arrays.kind_of(q), inputs.dtype_name(q))
     combined = causal() if mask_obj is None else causal() & mask_obj
     return combined, (list(biases) or None)
 
