@@ -294,6 +294,7 @@ struct ForwardPlan {
   // (Dv x np) on the tile paths, O (np x Dv) on the few-queries path.
   int64_t out_d, out_row;
   int64_t output_at(int rr, int d) const { return d * out_d + rr * out_row; }
+  int split_end(int split) const { return imin(nk, (split + 1) * tiles_per_split); }  // past its last key tile
 };
 
 // A key tile of k or v as an operand with rows = keys: in place for contiguous float32,
@@ -352,7 +353,7 @@ inline Ahead next_keys(const ForwardPlan& plan, const Tile& tj, int split) {
   const Problem& p = plan.f.p;
   Ahead ahead;
   const int j = tj.j + 1;
-  if (j < imin(plan.nk, (split + 1) * plan.tiles_per_split) && tile_class(p, tj.r, tj.t, j) != qkv::EMPTY) {
+  if (j < plan.split_end(split) && tile_class(p, tj.r, tj.t, j) != qkv::EMPTY) {
     const int k0 = tj.k0 + p.block_k;
     ahead.keys = rows_span(p.k, p.dtype, tj.b, tj.kv, k0, imin(p.block_k, p.Lk - k0), p.D);
   }
@@ -677,8 +678,7 @@ struct Accumulator {
 // visit(tj) for each key tile of the item's split that the mask does not leave EMPTY.
 template <class Visit>
 inline void for_each_key_tile(const ForwardPlan& plan, const Tile& tl, int split, Accumulator& acc, Visit visit) {
-  const int j_end = imin(plan.nk, (split + 1) * plan.tiles_per_split);
-  for (int j = split * plan.tiles_per_split; j < j_end; ++j) {
+  for (int j = split * plan.tiles_per_split, j_end = plan.split_end(split); j < j_end; ++j) {
     const int8_t cls = tile_class(plan.f.p, tl.r, tl.t, j);
     if (cls == qkv::EMPTY) continue;
     acc.computed += 1, acc.masked += cls == qkv::PARTIAL;
