@@ -152,10 +152,10 @@ NB_MODULE(_native, m) {
          std::optional<Flat<int8_t>> tile_class, std::optional<Flat<int32_t>> lo, std::optional<Flat<int32_t>> hi,
          std::optional<Flat<int32_t>> bitmap_index, std::optional<Flat<uint8_t>> bitmaps,
          std::optional<Flat<float>> alibi, float softcap, std::optional<Any> bias,
-         std::optional<Flat<int64_t>> tile_counts) {
+         std::optional<Flat<int64_t>> tile_counts, bool float32_on_amx) {
         Extras x{tile_class, lo, hi, bitmap_index, bitmaps, alibi, softcap, bias};
         Forward f{make_problem(q, k, v, scale, block_q, block_k, threads, x), out.data(), lse.data(),
-                  tile_counts ? tile_counts->data() : nullptr};
+                  tile_counts ? tile_counts->data() : nullptr, float32_on_amx};
         nb::gil_scoped_release unlocked;
         run_forward(f);
       },
@@ -163,7 +163,9 @@ NB_MODULE(_native, m) {
       nb::arg("block_q"), nb::arg("block_k"), nb::arg("threads"), nb::arg("tile_class").none(),
       nb::arg("lo").none(), nb::arg("hi").none(), nb::arg("bitmap_index").none(), nb::arg("bitmaps").none(),
       nb::arg("alibi").none(), nb::arg("softcap"), nb::arg("bias").none(), nb::arg("tile_counts").none() = nb::none(),
-      "out (B, Hq, Lq, Dv) and lse (B, Hq, Lq) float32 must be contiguous and are written in place.");
+      nb::arg("float32_on_amx") = true,
+      "out (B, Hq, Lq, Dv) and lse (B, Hq, Lq) float32 must be contiguous and are written in place. Where AMX runs, "
+      "float32 products run on it as sums of bfloat16 parts unless float32_on_amx is False (then on the FMA units).");
   m.def(
       "backward",
       [](Any q, Any k, Any v, Any dout, Flat<float> lse, Flat<float> delta, Any dq, Any dk, Any dv, float scale,

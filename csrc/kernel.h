@@ -276,16 +276,33 @@ inline void apply_rule(const Tile& tl, float* S, int64_t rs, int64_t cs) {
 // operand, every vector holds W queries, and the online softmax runs down columns with no
 // horizontal reductions; the output accumulates transposed too, Oᵀ (Dv x queries).
 #if defined(QKV_AMX)
-struct PackedValues;
+// Operand tiles of every (row, key tile), packed once before the main pass: Vᵀ (Dv_pad x
+// bk_pad) and, for float32, K (bk_pad x D_pad), bf16 in `parts` planes, zero padded. A tile's
+// rows lie a padded tile width apart, not Lk apart: rows a multiple of 4 KiB apart would all
+// fall in the same few L1 sets and evict each other.
+struct PackedTiles {
+  const Problem& p;
+  const Strided4& t;  // p.k or p.v
+  bool transpose;     // Vᵀ: rows are the head dim
+  int rows, cols, nk, parts;  // padded rows and columns of one plane
+  uint16_t* data = nullptr;
+  int64_t plane() const { return int64_t(rows) * cols; }
+  int64_t elements() const { return int64_t(p.B) * p.Hkv * nk * parts * plane(); }
+  int64_t bytes() const { return parts * plane() * 2; }  // of one tile
+  const uint16_t* tile(int r, int j) const { return data + (int64_t(r) * nk + j) * parts * plane(); }
+};
+
 #endif
 
 struct ForwardPlan {
   const Forward& f;
   int G, nq, nk, splits, tiles_per_split, np;  // np: queries of a tile, padded to W (32 with AMX)
   int dv_rows;     // rows of Oᵀ: Dv, padded to 32 with AMX
-  bool amx;        // bfloat16 through AMX tiles
+  bool amx;        // products on AMX tiles
+  int parts = 1;   // bfloat16 parts of each operand on AMX: 3 for float32
 #if defined(QKV_AMX)
-  const PackedValues* values = nullptr;
+  const PackedTiles* values = nullptr;  // Vᵀ tiles
+  const PackedTiles* keys = nullptr;    // K tiles, float32 only (bfloat16 K is read in place)
 #endif
   float* partial;  // splits > 1: per (row, q tile, split): m, l (np each) and the output so far
   int64_t partial_stride;
@@ -327,10 +344,16 @@ inline Vec column_max(const float* ST, int cols, int np, int q) {
 struct Prefetch {
   const char* p = nullptr;
   int64_t bytes = 0, at = 0;
+  int lines = 1;  // per call
   void next_line() {
-    if (at < bytes) __builtin_prefetch(p + at, 0, 3), at += 64;
+    for (int i = 0; i < lines && at < bytes; ++i, at += 64) __builtin_prefetch(p + at, 0, 3);
   }
 };
+
+// A packed tile of `bytes`, brought in over `calls` calls.
+inline Prefetch whole(const void* p, int64_t bytes, int calls) {
+  return {static_cast<const char*>(p), bytes, 0, int(imax(1, cdiv(int(bytes / 64), calls)))};
+}
 
 // The rows k0 .. k0 + count of k or v (b, h), n elements each (nothing when rows are strided).
 inline Prefetch rows_span(const Strided4& t, qkv::DType dt, int b, int h, int k0, int count, int n) {
@@ -348,15 +371,17 @@ struct Ahead {
 };
 
 // Ahead of key tile tj: K of the next key tile in the item's split unless it is EMPTY (as past
-// a causal diagonal), no values.
-inline Ahead next_keys(const ForwardPlan& plan, const Tile& tj, int split) {
+// a causal diagonal), no values. Packed float32 keys come in over `calls` calls.
+inline Ahead next_keys(const ForwardPlan& plan, const Tile& tj, int split, int calls = 1) {
   const Problem& p = plan.f.p;
   Ahead ahead;
   const int j = tj.j + 1;
-  if (j < plan.split_end(split) && tile_class(p, tj.r, tj.t, j) != qkv::EMPTY) {
-    const int k0 = tj.k0 + p.block_k;
-    ahead.keys = rows_span(p.k, p.dtype, tj.b, tj.kv, k0, imin(p.block_k, p.Lk - k0), p.D);
-  }
+  if (j >= plan.split_end(split) || tile_class(p, tj.r, tj.t, j) == qkv::EMPTY) return ahead;
+#if defined(QKV_AMX)
+  if (plan.keys) return {whole(plan.keys->tile(tj.r, j), plan.keys->bytes(), calls), {}};
+#endif
+  const int k0 = tj.k0 + p.block_k;
+  ahead.keys = rows_span(p.k, p.dtype, tj.b, tj.kv, k0, imin(p.block_k, p.Lk - k0), p.D);
   return ahead;
 }
 
@@ -480,19 +505,97 @@ inline void amx_matmul(int rows, int np, int depth, const uint16_t* A, int64_t l
     }
 }
 
+// Float32 on AMX: every float32 operand is split into three bfloat16 parts, x = x0 + x1 + x2
+// exactly (each part is the bfloat16 nearest what the parts before it left, and takes at
+// least 8 of float32's 24 significant bits). A product x·y is the sum of the six part
+// products xi·yj with i + j <= 2; the three left out are below 2^-26 |x·y|. The parts'
+// products are exact in float32, and the largest, x0·y0, is summed last, over the whole
+// depth: the small products round while the sum is still small, so a dot product rounds
+// about as a float32 FMA chain (in tests, less).
+constexpr int PARTS = 3;
+
+// C (rows x np, float32, ldc) = A·B for A (rows x depth, lda) and B (VNNI pairs) in PARTS
+// parts, A's planes a_plane elements apart, B's b_plane. The five small products go k step
+// by k step in an order where each shares a loaded tile with the one before (12 tile loads
+// for 20 products instead of 20), then x0·y0 from the last k step down (its first A tiles
+// are still loaded). rows, np and depth are multiples of 32.
+inline void amx_matmul_parts(int rows, int np, int depth, const uint16_t* A, int64_t lda, int64_t a_plane,
+                             const uint16_t* B, int64_t b_plane, float* C, int64_t ldc) {
+  for (int i = 0; i < rows; i += 32)
+    for (int q = 0; q < np; q += 32) {
+      auto load_a = [&](int part, int k) {
+        const uint16_t* a = A + part * a_plane + i * lda + k;
+        _tile_loadd(4, a, lda * 2);
+        _tile_loadd(5, a + 16 * lda, lda * 2);
+      };
+      auto load_b = [&](int part, int k) {
+        const uint16_t* b = B + part * b_plane + int64_t(k / 2) * np * 2 + q * 2;
+        _tile_loadd(6, b, np * 4);
+        _tile_loadd(7, b + 32, np * 4);
+      };
+      auto products = [] {
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      };
+      _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+      for (int k = 0; k < depth; k += 32) {
+        load_a(2, k), load_b(0, k), products();  // x2·y0
+        load_a(1, k), products();                // x1·y0
+        load_b(1, k), products();                // x1·y1
+        load_a(0, k), products();                // x0·y1
+        load_b(2, k), products();                // x0·y2
+      }
+      for (int k = depth - 32; k >= 0; k -= 32) {  // x0·y0
+        if (k != depth - 32) load_a(0, k);
+        load_b(0, k), products();
+      }
+      float* c = C + i * ldc + q;
+      _tile_stored(0, c, ldc * 4); _tile_stored(1, c + 16, ldc * 4);
+      _tile_stored(2, c + 16 * ldc, ldc * 4); _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
+    }
+}
+
+// src[0:n] as `parts` bfloat16 parts, part i of src[e] to parts_out[i * n + e]: the first
+// part is src rounded to bfloat16, each next one what the parts before it leave (an
+// infinite part leaves nothing, not inf - inf).
+inline void split_row(const float* src, int n, int parts, uint16_t* parts_out) {
+  for (int e = 0; e < n; e += 16) {
+    const __mmask16 in = n - e >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - e)) - 1);
+    __m512 x = _mm512_maskz_loadu_ps(in, src + e);
+    for (int i = 0; i < parts; ++i) {
+      const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
+      _mm256_mask_storeu_epi16(parts_out + int64_t(i) * n + e, in, h);
+      const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      x = _mm512_maskz_sub_ps(~_mm512_fpclass_ps_mask(back, 0x18), x, back);  // 0x18: +-inf
+    }
+  }
+}
+
+// Row l of t[b, h] (scaled) in bfloat16 parts: parts x n words in `row`, float scratch `tmp` (n).
+inline void split_input_row(const Strided4& t, qkv::DType dt, int b, int h, int l, int n, float scale, int parts,
+                            float* tmp, uint16_t* row) {
+  load_vector(t, dt, b, h, l, n, n, scale, tmp);
+  split_row(tmp, n, parts, row);
+}
+
 inline uint16_t bits(const Strided4& t, int64_t off) { return static_cast<const uint16_t*>(t.data)[off]; }
 
-// Qᵀ of a query tile in VNNI pairs: (Dpad/2) x np x 2 bf16, zero padded (scale applied later).
-inline void pack_queries(const Problem& p, const Tile& tl, int G, int Dpad, int np, uint16_t* QB) {
-  memset(QB, 0, size_t(Dpad) * np * 2);
+// Qᵀ of a query tile in VNNI pairs, (Dpad/2) x np x 2 bf16 per part, zero padded; float32
+// queries are scaled first, bfloat16 ones later (their scores are).
+inline void pack_queries(const Problem& p, const Tile& tl, int G, int Dpad, int np, int parts, uint16_t* QB) {
+  const int64_t plane = int64_t(Dpad) * np;
+  Buffer tmp(p.D), row_(int64_t(parts) * round_up(p.D, 2) / 2);
+  uint16_t* row = reinterpret_cast<uint16_t*>(row_.p);
+  memset(QB, 0, size_t(plane) * parts * 2);
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < tl.rows; ++i) {
-      const int64_t base = tl.b * p.q.s0 + int64_t(tl.kv * G + g) * p.q.s1 + int64_t(tl.q0 + i) * p.q.s2;
+      split_input_row(p.q, p.dtype, tl.b, tl.kv * G + g, tl.q0 + i, p.D, parts > 1 ? p.scale : 1.f, parts, tmp.p,
+                      row);
       uint16_t* column = QB + (g * tl.rows + i) * 2;  // this query's pairs lie np * 2 apart
-      for (int d = 0; d < p.D; d += 2, column += int64_t(np) * 2) {
-        column[0] = bits(p.q, base + d * p.q.s3);
-        if (d + 1 < p.D) column[1] = bits(p.q, base + (d + 1) * p.q.s3);
-      }
+      for (int part = 0; part < parts; ++part)
+        for (int d = 0; d < p.D; ++d) column[part * plane + int64_t(d / 2) * np * 2 + d % 2] = row[part * p.D + d];
     }
 }
 
@@ -512,58 +615,92 @@ inline const uint16_t* key_tile(const Problem& p, const Tile& tj, int Dpad, int 
   return scratch;
 }
 
-// Vᵀ of every (row, key tile), packed once before the main pass: (rows, nk, Dv_pad, bk_pad) bf16,
-// zero padded. A tile's rows lie bk_pad apart, not Lk apart: rows a multiple of 4 KiB apart
-// would all fall in the same few L1 sets and evict each other.
-struct PackedValues {
-  const Problem& p;
-  int dv_pad, bk_pad, nk;
-  uint16_t* data;
-  const uint16_t* tile(int r, int j) const { return data + (int64_t(r) * nk + j) * dv_pad * bk_pad; }
-};
+void pack_tile_item(void* ctx, int64_t rj) {  // one (row, key tile)
+  const PackedTiles& pt = *static_cast<const PackedTiles*>(ctx);
+  const Problem& p = pt.p;
+  const int r = int(rj / pt.nk), j = int(rj % pt.nk);
+  const int k0 = j * p.block_k, keys = imin(p.block_k, p.Lk - k0), n = &pt.t == &p.k ? p.D : p.Dv;
+  const int64_t plane = pt.plane();
+  Buffer tmp(n), row_(int64_t(pt.parts) * round_up(n, 2) / 2);
+  uint16_t* row = reinterpret_cast<uint16_t*>(row_.p);
+  uint16_t* out = const_cast<uint16_t*>(pt.tile(r, j));
+  memset(out, 0, size_t(pt.parts) * plane * 2);
+  for (int c = 0; c < keys; ++c) {  // each key's row is read once, in order
+    split_input_row(pt.t, p.dtype, r / p.Hkv, r % p.Hkv, k0 + c, n, 1.f, pt.parts, tmp.p, row);
+    for (int part = 0; part < pt.parts; ++part) {
+      const uint16_t* from = row + part * n;
+      uint16_t* to = out + part * plane;
+      if (pt.transpose)
+        for (int d = 0; d < n; ++d) to[int64_t(d) * pt.cols + c] = from[d];
+      else
+        memcpy(to + int64_t(c) * pt.cols, from, size_t(n) * 2);
+    }
+  }
+}
 
-void pack_values_item(void* ctx, int64_t rj) {  // one (row, key tile)
-  const PackedValues& pv = *static_cast<const PackedValues*>(ctx);
-  const Problem& p = pv.p;
-  const int r = int(rj / pv.nk), j = int(rj % pv.nk);
-  const int k0 = j * p.block_k, cols = imin(p.block_k, p.Lk - k0);
-  const Strided4& v = p.v;
-  const int64_t base = int64_t(r / p.Hkv) * v.s0 + int64_t(r % p.Hkv) * v.s1 + int64_t(k0) * v.s2;
-  uint16_t* out = const_cast<uint16_t*>(pv.tile(r, j));
-  memset(out, 0, size_t(pv.dv_pad) * pv.bk_pad * 2);
-  for (int c = 0; c < cols; ++c)  // each key's row of v is read once, in order
-    for (int d = 0; d < p.Dv; ++d) out[int64_t(d) * pv.bk_pad + c] = bits(v, base + c * v.s2 + d * v.s3);
+// Words 2i and 2i + 1: even[i] and odd[i] rounded to bfloat16, a VNNI pair of keys.
+inline __m512i bf16_pairs(Vec even, Vec odd) {
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd.v, even.v);  // words 0-15: even, 16-31: odd
+  return _mm512_permutexvar_epi16(interleave, both);
 }
 
 // One pass of the online softmax for the AMX path: fold a tile of transposed scores ST
-// (cols x np, times `scale`) into m, l (np) and OT (Dv x np), writing P straight out as bf16
-// VNNI pairs of keys, (keys_pad/2) x np x 2 (keys past cols are 0). ST is only read.
+// (cols x np) into m, l (np), writing P straight out as bf16 VNNI pairs of keys,
+// (keys_pad/2) x np x 2 per part (keys past cols are 0). ST is only read.
+// bfloat16 (SPLIT false): scores times `scale` give P by the degree-5 exp, one part, and
+// the output so far OT (Dv x np) is rescaled here. float32 (SPLIT): scaled scores give P by
+// the float path's exp, in PARTS parts, and the rescale factors go to alphas (np).
+template <bool SPLIT>
 inline void softmax_to_bf16_pairs(int cols, int keys_pad, int np, int Dv, const float* ST, float scale, float* m,
-                                  float* l, float* OT, uint16_t* PB, Ahead& ahead) {
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+                                  float* l, float* OT, float* alphas, uint16_t* PB, Ahead& ahead) {
   const Vec scaled = Vec::set1(scale), scaled_log2 = Vec::set1(scale * LOG2E);
+  const int64_t plane = int64_t(keys_pad) * np;
+  const __m512i high_words = _mm512_set1_epi32(int(0xffff0000u));
   for (int q = 0; q < np; q += W) {
     const Vec mx = column_max(ST, cols, np, q);
     Vec m_old = Vec::load(m + q), m_new = Vec::max(m_old, mx * scaled);
     Vec shift = Vec::finite_or_zero(m_new);  // columns with nothing allowed yet shift by 0
     Vec alpha = Vec::exp(m_old - shift), sum = Vec::zero();
     const Vec neg_shift_log2 = Vec::zero() - shift * Vec::set1(LOG2E);
-    // exp(scale * s - shift) = 2^(s * scale * log2(e) - shift * log2(e)): one fma per score
     auto p_of = [&](int c) {
-      return c < cols ? Vec::exp2_degree5(Vec::fma(Vec::load(ST + int64_t(c) * np + q), scaled_log2, neg_shift_log2))
-                      : Vec::zero();  // 0 past cols
+      if (c >= cols) return Vec::zero();
+      Vec s = Vec::load(ST + int64_t(c) * np + q);
+      if (SPLIT) return Vec::exp(s - shift);
+      // exp(scale * s - shift) = 2^(s * scale * log2(e) - shift * log2(e)): one fma per score
+      return Vec::exp2_degree5(Vec::fma(s, scaled_log2, neg_shift_log2));
     };
     for (int c = 0; c < keys_pad; c += 2) {  // keys c and c + 1
       Vec even = p_of(c), odd = p_of(c + 1);
       sum = sum + (even + odd);  // one add on the loop-carried chain
-      __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd.v, even.v);  // words 0-15: even, 16-31: odd
-      _mm512_storeu_si512(PB + int64_t(c / 2) * np * 2 + q * 2, _mm512_permutexvar_epi16(interleave, both));
+      uint16_t* at = PB + int64_t(c / 2) * np * 2 + q * 2;
+      __m512i pairs = bf16_pairs(even, odd);
+      _mm512_storeu_si512(at, pairs);
+      for (int part = 1; SPLIT && part < PARTS; ++part) {  // what the parts so far leave
+        even = even - Vec{_mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16))};
+        odd = odd - Vec{_mm512_castsi512_ps(_mm512_and_si512(pairs, high_words))};
+        pairs = bf16_pairs(even, odd);
+        _mm512_storeu_si512(at + part * plane, pairs);
+      }
       ahead.next();
     }
     (Vec::load(l + q) * alpha + sum).store(l + q);
     m_new.store(m + q);
-    for (int d = 0; d < Dv; ++d) (Vec::load(OT + int64_t(d) * np + q) * alpha).store(OT + int64_t(d) * np + q);
+    if (SPLIT) alpha.store(alphas + q);
+    else
+      for (int d = 0; d < Dv; ++d) (Vec::load(OT + int64_t(d) * np + q) * alpha).store(OT + int64_t(d) * np + q);
+  }
+}
+
+// OT (rows x np) = OT * alphas (per column) + T: the output so far rescaled, plus a key tile's.
+inline void rescale_add(int rows, int np, const float* alphas, const float* T, float* OT) {
+  for (int q = 0; q < np; q += W) {
+    const Vec alpha = Vec::load(alphas + q);
+    for (int d = 0; d < rows; ++d) {
+      float* o = OT + int64_t(d) * np + q;
+      Vec::fma(Vec::load(o), alpha, Vec::load(T + int64_t(d) * np + q)).store(o);
+    }
   }
 }
 
@@ -724,29 +861,40 @@ void float_tiles(const ForwardPlan& plan, const Tile& tl, int split, Accumulator
 }
 
 #if defined(QKV_AMX)
-// bfloat16 products on the AMX tile unit, the softmax on the vector units.
+// Products on the AMX tile unit (float32 as bfloat16 parts), the softmax on the vector units.
 void amx_tiles(const ForwardPlan& plan, const Tile& tl, int split, Accumulator& acc) {
   const Problem& p = plan.f.p;
-  const int np = plan.np, Dpad = round_up(p.D, 32), keys_max = round_up(p.block_k, 32);
-  Buffer QB_(int64_t(Dpad) * np / 2), ST(int64_t(keys_max) * np), K_(int64_t(keys_max) * Dpad / 2),
-      PB_(int64_t(keys_max) * np / 2);
+  const int np = plan.np, Dpad = round_up(p.D, 32), keys_max = round_up(p.block_k, 32), parts = plan.parts;
+  Buffer QB_(int64_t(Dpad) * np / 2 * parts), ST(int64_t(keys_max) * np), K_(parts > 1 ? 0 : keys_max * Dpad / 2),
+      PB_(int64_t(keys_max) * np / 2 * parts), T(parts > 1 ? int64_t(plan.dv_rows) * np : 0), alphas(np);
   uint16_t* QB = reinterpret_cast<uint16_t*>(QB_.p);
   uint16_t* PB = reinterpret_cast<uint16_t*>(PB_.p);
-  const bool modified = p.mods.alibi_slopes || p.mods.bias || p.mods.softcap > 0;
-  amx_configure(), pack_queries(p, tl, plan.G, Dpad, np, QB);
+  // bfloat16 scores are scaled here, float32 ones come scaled (through the queries)
+  const bool modified = p.mods.alibi_slopes || p.mods.bias || p.mods.softcap > 0, scale_here = parts == 1;
+  amx_configure(), pack_queries(p, tl, plan.G, Dpad, np, parts, QB);
   for_each_key_tile(plan, tl, split, acc, [&](const Tile& tj) {
     const int keys_pad = round_up(tj.cols, 32);
-    int64_t ldk;
-    const uint16_t* K = key_tile(p, tj, Dpad, keys_pad, reinterpret_cast<uint16_t*>(K_.p), &ldk);
-    amx_matmul(keys_pad, np, Dpad, K, ldk, QB, ST.p, np, false);  // Sᵀ = K·Qᵀ (keys x queries)
-    if (modified) scale_tile(ST.p, tj.cols, np, p.scale);  // modifiers see scaled scores
+    int64_t ldk = Dpad;
+    const uint16_t* K = parts > 1 ? plan.keys->tile(tl.r, tj.j)
+                                  : key_tile(p, tj, Dpad, keys_pad, reinterpret_cast<uint16_t*>(K_.p), &ldk);
+    if (parts > 1) amx_matmul_parts(keys_pad, np, Dpad, K, ldk, plan.keys->plane(), QB, int64_t(Dpad) * np, ST.p, np);
+    else amx_matmul(keys_pad, np, Dpad, K, ldk, QB, ST.p, np, false);  // Sᵀ = K·Qᵀ (keys x queries)
+    if (modified && scale_here) scale_tile(ST.p, tj.cols, np, p.scale);  // modifiers see scaled scores
     apply_rule(tj, ST.p, 1, np);  // masked scores become -inf, scaled or not
     const uint16_t* values = plan.values->tile(tl.r, tj.j);
-    Ahead ahead = next_keys(plan, tj, split);
-    ahead.values = {reinterpret_cast<const char*>(values), int64_t(plan.dv_rows) * plan.values->bk_pad * 2};
-    softmax_to_bf16_pairs(tj.cols, keys_pad, np, p.Dv, ST.p, modified ? 1.f : p.scale, acc.m, acc.l, acc.O, PB,
-                          ahead);
-    amx_matmul(plan.dv_rows, np, keys_pad, values, plan.values->bk_pad, PB, acc.O, np, true);  // Oᵀ += Vᵀ·Pᵀ
+    const int calls = keys_pad / 2 * (np / W);  // of ahead.next(), one per pair of keys and W queries
+    Ahead ahead = next_keys(plan, tj, split, calls);
+    ahead.values = whole(values, plan.values->bytes(), calls);
+    const float scale = modified || !scale_here ? 1.f : p.scale;
+    if (parts == 1) {
+      softmax_to_bf16_pairs<false>(tj.cols, keys_pad, np, p.Dv, ST.p, scale, acc.m, acc.l, acc.O, nullptr, PB, ahead);
+      amx_matmul(plan.dv_rows, np, keys_pad, values, plan.values->cols, PB, acc.O, np, true);  // Oᵀ += Vᵀ·Pᵀ
+    } else {  // the tile's Vᵀ·Pᵀ summed apart, so its small terms round while small
+      softmax_to_bf16_pairs<true>(tj.cols, keys_pad, np, p.Dv, ST.p, 1.f, acc.m, acc.l, acc.O, alphas.p, PB, ahead);
+      amx_matmul_parts(plan.dv_rows, np, keys_pad, values, plan.values->cols, plan.values->plane(), PB,
+                       int64_t(keys_pad) * np, T.p, np);
+      rescale_add(plan.dv_rows, np, alphas.p, T.p, acc.O);  // Oᵀ = Oᵀ·alpha + Vᵀ·Pᵀ
+    }
   });
   _tile_release();
 }
@@ -807,17 +955,17 @@ void merge_item(void* ctx, int64_t rt) {
 void forward(const Forward& f) {
   const Problem& p = f.p;
   if (p.B == 0 || p.Hkv == 0 || p.Lq == 0) return;  // nothing to write
-  const int G = p.Hq / p.Hkv, threads = threads_for(p, FORWARD_MIN_PARALLEL);
+  const int G = p.Hq / p.Hkv, threads = threads_for(p, FORWARD_MIN_PARALLEL), n = G * imin(p.block_q, p.Lq);
 #if defined(QKV_AMX)
-  const bool amx = p.dtype == qkv::BF16;
+  const bool float_on_amx = p.dtype == qkv::F32 && f.float32_on_amx && !few_queries_path(p, n);
+  const bool amx = p.dtype == qkv::BF16 || float_on_amx;
 #else
   const bool amx = false;
 #endif
-  ForwardPlan plan{f, G, cdiv(p.Lq, p.block_q), cdiv(p.Lk, p.block_k), 1, 0,
-                   round_up(G * imin(p.block_q, p.Lq), amx ? 32 : W), amx ? round_up(p.Dv, 32) : p.Dv, amx,
-                   nullptr, 0};
+  ForwardPlan plan{f, G, cdiv(p.Lq, p.block_q), cdiv(p.Lk, p.block_k), 1, 0, round_up(n, amx ? 32 : W),
+                   amx ? round_up(p.Dv, 32) : p.Dv, amx};
   plan.tiles_per_split = plan.nk;
-  plan.few_queries = !amx && few_queries_path(p, G * imin(p.block_q, p.Lq));
+  plan.few_queries = !amx && few_queries_path(p, n);
   plan.out_d = plan.few_queries ? 1 : plan.np, plan.out_row = plan.few_queries ? p.Dv : 1;
   const int64_t items = int64_t(p.B) * p.Hkv * plan.nq;
   // Few (row, query tile) items and many keys (decoding): split the keys too, so every
@@ -828,13 +976,19 @@ void forward(const Forward& f) {
     plan.splits = cdiv(plan.nk, plan.tiles_per_split);
   }
 #if defined(QKV_AMX)
-  const int64_t rows = int64_t(p.B) * p.Hkv;
-  PackedValues values{p, plan.dv_rows, round_up(p.block_k, 32), plan.nk, nullptr};
-  Buffer packed(amx ? rows * plan.nk * values.dv_pad * values.bk_pad / 2 + 1 : 0);
+  const int64_t key_tiles = int64_t(p.B) * p.Hkv * plan.nk;
+  const int keys_pad = round_up(p.block_k, 32);
+  plan.parts = float_on_amx ? PARTS : 1;
+  PackedTiles values{p, p.v, true, plan.dv_rows, keys_pad, plan.nk, plan.parts};
+  PackedTiles keys{p, p.k, false, keys_pad, round_up(p.D, 32), plan.nk, plan.parts};
+  Buffer packed_values(amx ? values.elements() / 2 + 1 : 0), packed_keys(float_on_amx ? keys.elements() / 2 + 1 : 0);
   if (amx) {
-    values.data = reinterpret_cast<uint16_t*>(packed.p);
-    qkv::parallel_for(rows * plan.nk, threads, pack_values_item, &values);
-    plan.values = &values;
+    values.data = reinterpret_cast<uint16_t*>(packed_values.p), plan.values = &values;
+    qkv::parallel_for(key_tiles, threads, pack_tile_item, &values);
+  }
+  if (float_on_amx) {
+    keys.data = reinterpret_cast<uint16_t*>(packed_keys.p), plan.keys = &keys;
+    qkv::parallel_for(key_tiles, threads, pack_tile_item, &keys);
   }
 #endif
   if (plan.splits == 1) {

@@ -1,5 +1,6 @@
 """The native kernel: determinism, instruction-set variants, strides, NumPy input, fallback,
 and a randomized differential test against the float64 reference."""
+import contextlib
 import os
 import subprocess
 import sys
@@ -49,15 +50,68 @@ def _run(q, k, v, mask, threads):
         native.num_threads = default_threads()
 
 
+@contextlib.contextmanager
+def float32_products(unit):
+    """Float32 forward products on AMX tiles (as bfloat16 parts) or on the FMA units."""
+    native.float32_on_amx = unit == "amx"
+    try:
+        yield
+    finally:
+        native.float32_on_amx = True
+
+
+MASKS = {None: None, "causal": qkv.causal(), "mask_fn": qkv.mask_fn(lambda b, h, i, j: (i + j) % 3 != 1),
+         "window": qkv.window(40, 3)}
+
+
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("unit", ["amx", "fma"])
+def test_float32_products_on_either_unit(shape, mask, unit):
+    """Float32 on AMX (each operand split exactly into three bfloat16 parts) and on the FMA
+    units both keep the float32 rule, output and lse."""
+    from qkv import inputs
+
+    q, k, v = _inputs(SHAPES[shape])
+    with float32_products(unit):
+        if unit == "amx" and _native_isa() == "amx":
+            assert native.on_amx(inputs.prepare(q, k, v)) == (shape != "decode")
+        check_backend("native", (q, k, v), tuple(to64(x) for x in (q, k, v)), "float32", mask=MASKS[mask])
+
+
+@pytest.mark.parametrize("unit", ["amx", "fma"])
+def test_float32_large_scores_and_nan(unit):
+    """Scores in the hundreds (the exp's range reduction) keep the rule; a NaN in one query
+    row makes that row's output and lse NaN and leaves every other row as it was."""
+    q, k, v = _inputs((1, 2, 1, 150, 260, 64, 64))
+    q = q * 40
+    with float32_products(unit):
+        clean, clean_lse = check_backend("native", (q, k, v), tuple(to64(x) for x in (q, k, v)), "float32")
+        q[0, 1, 7, 3] = float("nan")
+        out, lse = qkv.attention(q, k, v, backend="native", return_lse=True)
+    assert torch.isnan(out[0, 1, 7]).all() and torch.isnan(lse[0, 1, 7])
+    rest = torch.ones(150, dtype=torch.bool)
+    rest[7] = False
+    assert torch.equal(out[0, 1, rest], clean[0, 1, rest]) and torch.equal(out[0, 0], clean[0, 0])
+    assert torch.equal(lse[0, 1, rest], clean_lse[0, 1, rest])
+
+
+def _native_isa():
+    from qkv import _native
+
+    return _native.isa()
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype,unit", [(torch.float32, "amx"), (torch.float32, "fma"), (torch.bfloat16, "amx")])
 @pytest.mark.parametrize("mask", [None, "causal", "mask_fn"])
-def test_bitwise_identical_across_threads_and_calls(shape, dtype, mask):
-    m = {None: None, "causal": qkv.causal(), "mask_fn": qkv.mask_fn(lambda b, h, i, j: (i + j) % 3 != 1)}[mask]
+def test_bitwise_identical_across_threads_and_calls(shape, dtype, unit, mask):
+    m = MASKS[mask]
     q, k, v = _inputs(SHAPES[shape], dtype, grad=shape != "decode")
-    one = _run(q, k, v, m, threads=1)
-    two = _run(q, k, v, m, threads=2)
-    again = _run(q, k, v, m, threads=2)
+    with float32_products(unit):
+        one = _run(q, k, v, m, threads=1)
+        two = _run(q, k, v, m, threads=2)
+        again = _run(q, k, v, m, threads=2)
     for a, b, c in zip(one, two, again):
         assert torch.equal(a, b) and torch.equal(b, c)
 
@@ -150,7 +204,8 @@ def problems(draw):
     layout = draw(st.sampled_from(["contiguous", "transposed", "sliced"]))
     mask = draw(st.sampled_from([None, "causal", "top_left", "window", "padding", "document", "mask_fn", "dense"]))
     mod = draw(st.sampled_from([None, "alibi", "softcap", "bias"]))
-    return B, Hkv, G, Lq, Lk, D, Dv, dtype, layout, mask, mod, draw(st.integers(0, 2**31))
+    unit = draw(st.sampled_from(["amx", "fma"]))  # of float32 products
+    return B, Hkv, G, Lq, Lk, D, Dv, dtype, layout, mask, mod, unit, draw(st.integers(0, 2**31))
 
 
 def _strided(x, layout):
@@ -166,7 +221,7 @@ def _strided(x, layout):
 @settings(max_examples=60)
 @given(problems())
 def test_randomized_differential(problem):
-    B, Hkv, G, Lq, Lk, D, Dv, dtype, layout, mask, mod, seed = problem
+    B, Hkv, G, Lq, Lk, D, Dv, dtype, layout, mask, mod, unit, seed = problem
     rng = np.random.default_rng(seed)
     Hq = Hkv * G
     arrays64 = [rng.standard_normal(s) for s in ((B, Hq, Lq, D), (B, Hkv, Lk, D), (B, Hkv, Lk, Dv))]
@@ -186,7 +241,8 @@ def test_randomized_differential(problem):
     elif mod == "bias" and mask is None:
         bias = rng.standard_normal((1, Hq, Lq, Lk))
         kwargs["mask"] = torch.tensor(bias).to(getattr(torch, dtype))
-    got, lse = qkv.attention(*tensors, backend="native", return_lse=True, **kwargs)
+    with float32_products(unit):
+        got, lse = qkv.attention(*tensors, backend="native", return_lse=True, **kwargs)
     kw64 = dict(kwargs)
     if torch.is_tensor(kwargs["mask"]):
         kw64["mask"] = to64(kwargs["mask"])

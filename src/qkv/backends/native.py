@@ -34,6 +34,8 @@ BLOCK_Q, BLOCK_K = 64, 128
 # head, 8-9% with 2, 5-9% with 4, 13-14% with 8). Masked calls keep 64 x 128, which wastes
 # less on the diagonal (causal was 6% slower with 128 x 256).
 AMX_QUERIES, AMX_BLOCK_K = 128, 256
+# Stacked queries up to which float32 stays on the FMA units (the kernel's decoding path).
+FEW_QUERIES = 8
 
 
 def default_threads() -> int:
@@ -50,6 +52,9 @@ class NativeBackend(Backend):
 
     def __init__(self):
         self.num_threads = default_threads()  # fixed work split: results do not depend on it
+        # Where AMX runs, float32 products run on it as exact sums of bfloat16 parts
+        # (csrc/kernel.h, amx_matmul_parts); False keeps them on the FMA units.
+        self.float32_on_amx = True
 
     def missing(self):
         if _native is None:
@@ -59,9 +64,16 @@ class NativeBackend(Backend):
     def extra_reasons(self, inp):
         return inline_score_mod_reasons(inp, (Alibi, Bias, Softcap), "the native kernel")
 
+    def on_amx(self, inp):
+        """Whether this call's forward products run on AMX tiles: bfloat16 always where AMX
+        runs, float32 unless few queries (decoding) or float32_on_amx is off."""
+        if _native is None or _native.isa() != "amx":
+            return False
+        return inp.dtype == "bfloat16" or (self.float32_on_amx and inp.group * inp.Lq > FEW_QUERIES)
+
     def block_sizes(self, inp):
         """The forward's (block_q, block_k); the backward always runs on BLOCK_Q x BLOCK_K."""
-        if inp.dtype == "bfloat16" and inp.mask is None and _native and _native.isa() == "amx":
+        if inp.mask is None and self.on_amx(inp):
             return max(16, AMX_QUERIES // inp.group), AMX_BLOCK_K
         return BLOCK_Q, BLOCK_K
 
@@ -76,7 +88,7 @@ class NativeBackend(Backend):
         counts = None if base.tile_counter is None else np.zeros(2, dtype=np.int64)
         blocks = self.block_sizes(inp)
         _native.forward(*_for_kernel(q, k, v, out, lse), inp.scale, *blocks, self.num_threads,
-                        **kernel_extras(inp, blocks), tile_counts=counts)
+                        **kernel_extras(inp, blocks), tile_counts=counts, float32_on_amx=self.float32_on_amx)
         if counts is not None:
             base.count_tiles(computed=int(counts[0]), masked=int(counts[1]))
         return out, lse
@@ -94,7 +106,15 @@ class NativeBackend(Backend):
     def workspace_bytes(self, inp):
         threads = self.num_threads
         return tile_workspace(threads, *self.block_sizes(inp), inp.group, inp.D, inp.Dv, "float32") \
-            + 4 * inp.B * inp.Hq * inp.Lq
+            + 4 * inp.B * inp.Hq * inp.Lq + self._packed_bytes(inp)
+
+    def _packed_bytes(self, inp):
+        """The AMX path's bfloat16 copies of V and, for float32, of K, each in 3 parts."""
+        if not self.on_amx(inp):
+            return 0
+        up = lambda n: -(-n // 32) * 32  # noqa: E731 (the kernel pads to 32)
+        values, keys = (up(inp.Dv), 0) if inp.dtype == "bfloat16" else (3 * up(inp.Dv), 3 * up(inp.D))
+        return 2 * inp.B * inp.Hkv * up(inp.Lk) * (values + keys)
 
 
 def _for_kernel(*arrays):
