@@ -163,9 +163,9 @@ NB_MODULE(_native, m) {
       nb::arg("block_q"), nb::arg("block_k"), nb::arg("threads"), nb::arg("tile_class").none(),
       nb::arg("lo").none(), nb::arg("hi").none(), nb::arg("bitmap_index").none(), nb::arg("bitmaps").none(),
       nb::arg("alibi").none(), nb::arg("softcap"), nb::arg("bias").none(), nb::arg("tile_counts").none() = nb::none(),
-      nb::arg("float32_on_amx") = true,
-      "out (B, Hq, Lq, Dv) and lse (B, Hq, Lq) float32 must be contiguous and are written in place. Where AMX runs, "
-      "float32 products run on it as sums of bfloat16 parts unless float32_on_amx is False (then on the FMA units).");
+      nb::arg("float32_on_amx") = false,
+      "out (B, Hq, Lq, Dv) and lse (B, Hq, Lq) float32 must be contiguous and are written in place. With "
+      "float32_on_amx, where AMX runs, float32 products run on it as sums of bfloat16 parts (else on the FMA units).");
   m.def(
       "backward",
       [](Any q, Any k, Any v, Any dout, Flat<float> lse, Flat<float> delta, Any dq, Any dk, Any dv, float scale,

@@ -52,7 +52,7 @@ struct Forward {
   void* out;   // (B, Hq, Lq, Dv) contiguous, dtype p.dtype
   float* lse;  // (B, Hq, Lq) contiguous
   int64_t* tile_counts = nullptr;  // optional: [computed, masked] (row, query tile, key tile) units
-  bool float32_on_amx = true;      // where AMX runs: float32 products as sums of bfloat16 parts
+  bool float32_on_amx = false;     // where AMX runs: float32 products as sums of bfloat16 parts
 };
 
 struct Backward {

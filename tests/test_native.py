@@ -53,11 +53,11 @@ def _run(q, k, v, mask, threads):
 @contextlib.contextmanager
 def float32_products(unit):
     """Float32 forward products on AMX tiles (as bfloat16 parts) or on the FMA units."""
-    native.float32_on_amx = unit == "amx"
+    default, native.float32_on_amx = native.float32_on_amx, unit == "amx"
     try:
         yield
     finally:
-        native.float32_on_amx = True
+        native.float32_on_amx = default
 
 
 MASKS = {None: None, "causal": qkv.causal(), "mask_fn": qkv.mask_fn(lambda b, h, i, j: (i + j) % 3 != 1),

@@ -52,9 +52,12 @@ class NativeBackend(Backend):
 
     def __init__(self):
         self.num_threads = default_threads()  # fixed work split: results do not depend on it
-        # Where AMX runs, float32 products run on it as exact sums of bfloat16 parts
-        # (csrc/kernel.h, amx_matmul_parts); False keeps them on the FMA units.
-        self.float32_on_amx = True
+        # True: where AMX runs, float32 forward products run on it as exact sums of bfloat16
+        # parts (csrc/kernel.h, amx_matmul_parts). Off by default: on the shared 2-CPU machine
+        # qkv is measured on it ran 0.75-1.37x as fast as the FMA units (paired calls, L=4096)
+        # and lost below about 2048 queries per KV head, where splitting K and V costs more
+        # than it saves (README, "Speed").
+        self.float32_on_amx = False
 
     def missing(self):
         if _native is None:
@@ -66,7 +69,7 @@ class NativeBackend(Backend):
 
     def on_amx(self, inp):
         """Whether this call's forward products run on AMX tiles: bfloat16 always where AMX
-        runs, float32 unless few queries (decoding) or float32_on_amx is off."""
+        runs, float32 when float32_on_amx is on, except with few queries (decoding)."""
         if _native is None or _native.isa() != "amx":
             return False
         return inp.dtype == "bfloat16" or (self.float32_on_amx and inp.group * inp.Lq > FEW_QUERIES)
