@@ -680,7 +680,8 @@ void pack_tile_item(void* ctx, int64_t rj) {  // one (row, key tile)
         for (int d = 0; d < n; ++d)
           for (int c = 0; c < count; ++c) to[int64_t(d) * pt.cols + c0 + c] = rows[c * row_words + part * n + d];
       else
-        for (int c = 0; c < count; ++c) memcpy(to + int64_t(c0 + c) * pt.cols, rows + c * row_words + part * n, size_t(n) * 2);
+        for (int c = 0; c < count; ++c)
+          memcpy(to + int64_t(c0 + c) * pt.cols, rows + c * row_words + part * n, size_t(n) * 2);
     }
   }
 }
@@ -913,7 +914,8 @@ void amx_tiles(const ForwardPlan& plan, const Tile& tl, int split, Accumulator& 
   const Problem& p = plan.f.p;
   const int np = plan.np, Dpad = round_up(p.D, 32), keys_max = round_up(p.block_k, 32), parts = plan.parts;
   Buffer QB_(int64_t(Dpad) * np / 2 * parts), ST(int64_t(keys_max) * np), K_(parts > 1 ? 0 : keys_max * Dpad / 2),
-      PB_(int64_t(keys_max) * np / 2 * parts), T(parts > 1 ? int64_t(plan.dv_rows) * np : 0), alphas(np);
+      PB_(int64_t(keys_max) * np / 2 * parts), T(parts > 1 ? int64_t(plan.dv_rows) * np : 0),
+      alphas(parts > 1 ? np : 0);
   uint16_t* QB = reinterpret_cast<uint16_t*>(QB_.p);
   uint16_t* PB = reinterpret_cast<uint16_t*>(PB_.p);
   // bfloat16 scores are scaled here, float32 ones come scaled (through the queries)
