@@ -390,7 +390,9 @@ struct Prefetch {
   int64_t bytes = 0, at = 0;
   int lines = 1;  // per call
   void next_line() {
-    for (int i = 0; i < lines && at < bytes; ++i, at += 64) __builtin_prefetch(p + at, 0, 3);
+    if (at >= bytes) return;
+    __builtin_prefetch(p + at, 0, 3), at += 64;
+    for (int i = 1; i < lines && at < bytes; ++i, at += 64) __builtin_prefetch(p + at, 0, 3);
   }
 };
 
@@ -617,14 +619,20 @@ inline void split_row(const float* src, int n, int parts, uint16_t* parts_out) {
   }
 }
 
+inline uint16_t bits(const Strided4& t, int64_t off) { return static_cast<const uint16_t*>(t.data)[off]; }
+
 // Row l of t[b, h] (scaled) in bfloat16 parts: parts x n words in `row`, float scratch `tmp` (n).
+// A bfloat16 row, unscaled, is its own one part: its bits are copied.
 inline void split_input_row(const Strided4& t, qkv::DType dt, int b, int h, int l, int n, float scale, int parts,
                             float* tmp, uint16_t* row) {
+  if (dt == qkv::BF16 && parts == 1 && scale == 1.f) {
+    const int64_t base = b * t.s0 + h * t.s1 + l * t.s2;
+    for (int d = 0; d < n; ++d) row[d] = bits(t, base + d * t.s3);
+    return;
+  }
   load_vector(t, dt, b, h, l, n, n, scale, tmp);
   split_row(tmp, n, parts, row);
 }
-
-inline uint16_t bits(const Strided4& t, int64_t off) { return static_cast<const uint16_t*>(t.data)[off]; }
 
 // Qᵀ of a query tile in VNNI pairs, (Dpad/2) x np x 2 bf16 per part, zero padded; float32
 // queries are scaled first, bfloat16 ones later (their scores are).
@@ -670,6 +678,13 @@ void pack_tile_item(void* ctx, int64_t rj) {  // one (row, key tile)
   uint16_t* rows = reinterpret_cast<uint16_t*>(rows_.p);  // (BLOCK keys, parts, n)
   uint16_t* out = const_cast<uint16_t*>(pt.tile(r, j));
   memset(out, 0, size_t(pt.parts) * plane * 2);
+  auto at = [&](int c, int d) { return pt.transpose ? int64_t(d) * pt.cols + c : int64_t(c) * pt.cols + d; };
+  if (p.dtype == qkv::BF16 && pt.parts == 1) {  // bfloat16 in: its bits, placed directly (half the moves)
+    const int64_t base = int64_t(r / p.Hkv) * pt.t.s0 + int64_t(r % p.Hkv) * pt.t.s1 + int64_t(k0) * pt.t.s2;
+    for (int c = 0; c < keys; ++c)
+      for (int d = 0; d < n; ++d) out[at(c, d)] = bits(pt.t, base + c * pt.t.s2 + d * pt.t.s3);
+    return;
+  }
   for (int c0 = 0; c0 < keys; c0 += BLOCK) {  // each key's row is read once, in order
     const int count = imin(BLOCK, keys - c0);
     for (int c = 0; c < count; ++c)
