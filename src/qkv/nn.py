@@ -165,8 +165,11 @@ class AttentionCore:
                                  "None (the cache holds the keys and values of the earlier tokens)")
         key = query if key is None else key
         value = key if value is None else value
-        for name, x in (("query", query), ("key", key), ("value", value)):
-            self._check_input(name, x)
+        self._check_input("query", query)
+        if key is not query:  # self-attention passes one array three times: checked once
+            self._check_input("key", key)
+        if value is not key:
+            self._check_input("value", value)
         if key.shape[0] != query.shape[0]:
             raise ValueError(f"query and key must have the same batch size; got query {tuple(query.shape)}, "
                              f"key {tuple(key.shape)}")
