@@ -1,5 +1,8 @@
 // A small persistent thread pool. Work items are claimed from an atomic counter, so each
 // item runs on exactly one thread and results never depend on the number of threads.
+// A job hands out one ticket per helper; once the calling thread has claimed the last item
+// it takes back the tickets no helper has taken, so it waits only for helpers at work, not
+// for ones still waking up (25-30 µs here), which then go back to sleep.
 #include <atomic>
 #include <condition_variable>
 #include <mutex>
@@ -19,12 +22,13 @@ class Pool {
     ensure_workers(helpers);
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      fn_ = fn, ctx_ = ctx, n_ = n, next_.store(0), active_helpers_ = helpers, pending_ = helpers;
+      fn_ = fn, ctx_ = ctx, n_ = n, next_.store(0), tickets_ = helpers, pending_ = helpers;
       ++generation_;
     }
     wake_.notify_all();
     drain();
     std::unique_lock<std::mutex> lock(mutex_);
+    pending_ -= tickets_, tickets_ = 0;  // every item is claimed: helpers not started yet need not start
     done_.wait(lock, [&] { return pending_ == 0; });
   }
 
@@ -43,20 +47,17 @@ class Pool {
   }
 
   void ensure_workers(int count) {
-    while (static_cast<int>(workers_.size()) < count) {
-      int id = static_cast<int>(workers_.size());
-      workers_.emplace_back([this, id] { loop(id); });
-    }
+    while (static_cast<int>(workers_.size()) < count) workers_.emplace_back([this] { loop(); });
   }
 
-  void loop(int id) {
-    uint64_t seen = 0;
+  void loop() {
+    uint64_t seen = 0;  // the last job this helper took a ticket of
     for (;;) {
       {
         std::unique_lock<std::mutex> lock(mutex_);
-        wake_.wait(lock, [&] { return stop_ || (generation_ != seen && id < active_helpers_); });
+        wake_.wait(lock, [&] { return stop_ || (generation_ != seen && tickets_ > 0); });
         if (stop_) return;
-        seen = generation_;
+        seen = generation_, --tickets_;
       }
       drain();
       {
@@ -74,7 +75,7 @@ class Pool {
   void* ctx_ = nullptr;
   int64_t n_ = 0;
   std::atomic<int64_t> next_{0};
-  int active_helpers_ = 0, pending_ = 0;
+  int tickets_ = 0, pending_ = 0;  // helpers yet to take this job, and taken but not finished
   uint64_t generation_ = 0;
   bool stop_ = false;
 };
