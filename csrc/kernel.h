@@ -93,50 +93,6 @@ struct Buffer {
   Buffer& operator=(const Buffer&) = delete;
 };
 
-// Memory for the AMX path's packed operands, kept between calls up to kMax bytes: fresh
-// pages cost a page fault each (16 float32 queries over 4096 keys, 8 heads, 12.6 MB
-// packed: 21.3 ms a call with fresh pages, 15.3 kept). A call that finds it in use (from
-// another Python thread) or needs more takes its own; sanitizer builds always do.
-struct KeptMemory {
-  static constexpr size_t kMax = size_t(64) << 20;
-  void* raw = nullptr;
-  size_t capacity = 0;
-  bool busy = false;
-  ~KeptMemory() { free(raw); }
-};
-inline KeptMemory kept_memory;
-
-// `bytes` of 64-byte aligned memory, from kept_memory where it can.
-struct LargeBuffer {
-  char* p = nullptr;
-  void* own = nullptr;  // malloc'd for this call
-  bool kept = false;
-  explicit LargeBuffer(size_t bytes) {
-    if (bytes == 0) return;
-#if !defined(__SANITIZE_ADDRESS__)
-    if (bytes <= KeptMemory::kMax && !__atomic_exchange_n(&kept_memory.busy, true, __ATOMIC_ACQUIRE)) {
-      kept = true;
-      if (kept_memory.capacity < bytes) {
-        free(kept_memory.raw);
-        kept_memory.raw = malloc(bytes + 64);
-        kept_memory.capacity = kept_memory.raw ? bytes : 0;
-      }
-      if (kept_memory.raw) {
-        p = aligned_in(kept_memory.raw);
-        return;
-      }
-    }
-#endif
-    own = malloc(bytes + 64), p = aligned_in(own);
-  }
-  ~LargeBuffer() {
-    free(own);
-    if (kept) __atomic_store_n(&kept_memory.busy, false, __ATOMIC_RELEASE);
-  }
-  LargeBuffer(const LargeBuffer&) = delete;
-  LargeBuffer& operator=(const LargeBuffer&) = delete;
-};
-
 inline void fill(float* p, int64_t n, float x) {
   for (int64_t i = 0; i < n; ++i) p[i] = x;
 }
@@ -672,25 +628,26 @@ inline const uint16_t* key_tile(const Problem& p, const Tile& tj, int Dpad, int 
 void pack_tile_item(void* ctx, int64_t rj) {  // one (row, key tile)
   const PackedTiles& pt = *static_cast<const PackedTiles*>(ctx);
   const Problem& p = pt.p;
+  const Strided4& t = pt.t;
   const int r = int(rj / pt.nk), j = int(rj % pt.nk);
-  const int k0 = j * p.block_k, keys = imin(p.block_k, p.Lk - k0), n = &pt.t == &p.k ? p.D : p.Dv;
-  const int64_t plane = pt.plane(), row_words = int64_t(pt.parts) * n;
-  constexpr int BLOCK = 32;  // keys split before they are written: a cache line of each Vᵀ row
-  Buffer tmp(n), rows_(BLOCK * row_words / 2 + 1);
-  uint16_t* rows = reinterpret_cast<uint16_t*>(rows_.p);  // (BLOCK keys, parts, n)
+  const int k0 = j * p.block_k, keys = imin(p.block_k, p.Lk - k0), n = &t == &p.k ? p.D : p.Dv;
+  const int64_t plane = pt.plane(), base = int64_t(r / p.Hkv) * t.s0 + int64_t(r % p.Hkv) * t.s1 + int64_t(k0) * t.s2;
   uint16_t* out = const_cast<uint16_t*>(pt.tile(r, j));
   memset(out, 0, size_t(pt.parts) * plane * 2);
-  auto at = [&](int c, int d) { return pt.transpose ? int64_t(d) * pt.cols + c : int64_t(c) * pt.cols + d; };
-  if (p.dtype == qkv::BF16 && pt.parts == 1) {  // bfloat16 in: its bits, placed directly (half the moves)
-    const int64_t base = int64_t(r / p.Hkv) * pt.t.s0 + int64_t(r % p.Hkv) * pt.t.s1 + int64_t(k0) * pt.t.s2;
-    for (int c = 0; c < keys; ++c)
-      for (int d = 0; d < n; ++d) out[at(c, d)] = bits(pt.t, base + c * pt.t.s2 + d * pt.t.s3);
+  if (p.dtype == qkv::BF16 && pt.parts == 1) {  // bfloat16 in: its bits, placed directly
+    const int64_t along_c = pt.transpose ? 1 : pt.cols, along_d = pt.transpose ? pt.cols : 1;
+    for (int c = 0; c < keys; ++c)  // each key's row is read once, in order
+      for (int d = 0; d < n; ++d) out[c * along_c + d * along_d] = bits(t, base + c * t.s2 + d * t.s3);
     return;
   }
+  constexpr int BLOCK = 32;  // keys split before they are written: a cache line of each Vᵀ row
+  const int64_t row_words = int64_t(pt.parts) * n;
+  Buffer tmp(n), rows_(BLOCK * row_words / 2 + 1);
+  uint16_t* rows = reinterpret_cast<uint16_t*>(rows_.p);  // (BLOCK keys, parts, n)
   for (int c0 = 0; c0 < keys; c0 += BLOCK) {  // each key's row is read once, in order
     const int count = imin(BLOCK, keys - c0);
     for (int c = 0; c < count; ++c)
-      split_input_row(pt.t, p.dtype, r / p.Hkv, r % p.Hkv, k0 + c0 + c, n, 1.f, pt.parts, tmp.p, rows + c * row_words);
+      split_input_row(t, p.dtype, r / p.Hkv, r % p.Hkv, k0 + c0 + c, n, 1.f, pt.parts, tmp.p, rows + c * row_words);
     for (int part = 0; part < pt.parts; ++part) {
       uint16_t* to = out + part * plane;
       if (pt.transpose)  // Vᵀ: row d gets the block's keys side by side
@@ -1048,7 +1005,7 @@ void forward(const Forward& f) {
   PackedTiles values{p, p.v, true, plan.dv_rows, keys_pad, plan.nk, plan.parts};
   PackedTiles keys{p, p.k, false, keys_pad, round_up(p.D, 32), plan.nk, plan.parts};
   const int64_t value_words = amx ? values.elements() : 0, key_words = float_on_amx ? keys.elements() : 0;
-  LargeBuffer packed(size_t(value_words + key_words) * 2);
+  Buffer packed((value_words + key_words + 1) / 2);
   if (amx) {
     values.data = reinterpret_cast<uint16_t*>(packed.p), plan.values = &values;
     qkv::parallel_for(key_tiles, threads, pack_tile_item, &values);
