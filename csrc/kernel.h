@@ -908,8 +908,8 @@ void amx_tiles(const ForwardPlan& plan, const Tile& tl, int split, Accumulator& 
     const int calls = keys_pad / 2 * (np / W);  // of ahead.next(), one per pair of keys and W queries
     Ahead ahead = next_keys(plan, tj, split, calls);
     ahead.values = whole(values, plan.values->bytes(), calls);
-    const float scale = modified || !scale_here ? 1.f : p.scale;
     if (parts == 1) {
+      const float scale = modified ? 1.f : p.scale;  // modified scores were scaled above
       softmax_to_bf16_pairs<false>(tj.cols, keys_pad, np, p.Dv, ST.p, scale, acc.m, acc.l, acc.O, nullptr, PB, ahead);
       amx_matmul(plan.dv_rows, np, keys_pad, values, plan.values->cols, PB, acc.O, np, true);  // Oᵀ += Vᵀ·Pᵀ
     } else {  // the tile's Vᵀ·Pᵀ summed apart, so its small terms round while small
