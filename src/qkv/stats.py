@@ -175,8 +175,7 @@ def _caller_shapes(stats: AttentionStats, inp) -> AttentionStats:
 
 
 class _Streamer:
-    """Two sweeps over each query tile's key tiles (the rows' own lse, then the statistics);
-    EMPTY tiles are skipped, FULL ones not masked.
+    """One pass over (query tile, key tile) pairs; EMPTY tiles are skipped, FULL ones not masked.
 
     NumPy inputs spread the query tiles over a few threads (NumPy releases the GIL inside
     its loops), each with its own `received` accumulator; torch runs its own threads.
@@ -224,11 +223,18 @@ class _Streamer:
         q1 = min(q0 + self.block_q, inp.Lq)
         q = _arrays.astype(inp.q[:, :, q0:q1], self.cdt) * inp.scale  # (B, Hq, bq, D), scale folded in
         qi = np.arange(q0, q1)
-        lse = self._own_lse(q, qi, t, self.safe_lse[:, :, q0:q1])  # (B, Hq, bq, 1)
+        lse = self.safe_lse[:, :, q0:q1]  # (B, Hq, bq, 1)
         entropy, best, top = res.entropy[:, :, q0:q1], None, None  # entropy: a view, summed into
         if self.topk:
             top = (res.topk_weights[:, :, q0:q1], res.topk_indices[:, :, q0:q1])
-        for k0, k1, kind, z in self._log_weights(q, qi, t, lse):
+        for j, k0 in enumerate(range(0, inp.Lk, self.block_k)):
+            kind = self._kind(t, j)
+            if kind == EMPTY:
+                continue
+            k1 = min(k0 + self.block_k, inp.Lk)
+            k = _arrays.astype(inp.k[:, :, k0:k1], self.cdt)  # (B, Hkv, bk, D)
+            z = _modified_scores(inp, q, k, qi, k0, k1, kind == PARTIAL, q_scaled=True)  # (B, Hq, bq, bk)
+            z -= lse  # log of the weights, in place
             tile_best = _amax(z, -1)  # (B, Hq, bq)
             best = tile_best if best is None else xp.maximum(best, tile_best)
             w = xp.exp(z)  # (B, Hq, bq, bk) the weights of this tile
@@ -243,34 +249,6 @@ class _Streamer:
             res.max_weight[:, :, q0:q1] = xp.exp(best)
         if top is not None:
             res.topk_weights[:, :, q0:q1], res.topk_indices[:, :, q0:q1] = top
-
-    def _log_weights(self, q, qi, t: int, lse):
-        """(k0, k1, kind, z) for each key tile the mask does not leave EMPTY: z = s - lse,
-        the log of the weights of rows qi (B, Hq, bq, bk), a fresh array."""
-        inp = self.inp
-        for j, k0 in enumerate(range(0, inp.Lk, self.block_k)):
-            kind = self._kind(t, j)
-            if kind == EMPTY:
-                continue
-            k1 = min(k0 + self.block_k, inp.Lk)
-            k = _arrays.astype(inp.k[:, :, k0:k1], self.cdt)  # (B, Hkv, bk, D)
-            z = _modified_scores(inp, q, k, qi, k0, k1, kind == PARTIAL, q_scaled=True)  # (B, Hq, bq, bk)
-            z -= lse  # in place
-            yield k0, k1, kind, z
-
-    def _own_lse(self, q, qi, t: int, lse):
-        """The lse of rows qi over the scores as computed here. The given lse comes from an
-        attention backend whose float32 scores round differently; with it, a row dominated by
-        one large score (|s| ~ 40: 2e-6 relative rounding) carries that score's rounding into
-        every weight. Renormalised by its own sum, it cancels, as in a plain softmax."""
-        xp = self.xp
-        sums = None
-        for _, _, _, z in self._log_weights(q, qi, t, lse):
-            tile_sums = xp.exp(z).sum(-1, keepdims=True)  # (B, Hq, bq, 1)
-            sums = tile_sums if sums is None else sums + tile_sums
-        if sums is None:
-            return lse
-        return xp.where(sums > 0, lse + xp.log(xp.where(sums > 0, sums, 1.0)), lse)  # rows with none allowed: as given
 
     def _kind(self, t: int, j: int) -> int:
         if self.tiles is not None:
