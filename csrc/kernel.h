@@ -444,7 +444,7 @@ inline int threads_for(const Problem& p, double min_multiply_adds) {
 // ran 0.92-1.17x as fast as one at 1 MiB of K and V, 1.05 at 1.25 MiB, 1.37-1.70 at 2 MiB.
 constexpr double FEW_QUERIES_MIN_PARALLEL_BYTES = 1.25 * (1 << 20);
 inline int few_queries_threads(const Problem& p) {
-  const double bytes = double(p.B) * p.Hkv * p.Lk * (p.D + p.Dv) * 4;  // float32 only
+  const double bytes = double(p.B) * p.Hkv * p.Lk * (p.D + p.Dv) * (p.dtype == qkv::F32 ? 4 : 2);
   return bytes < FEW_QUERIES_MIN_PARALLEL_BYTES ? 1 : p.num_threads;
 }
 
@@ -743,24 +743,25 @@ inline void scale_tile(float* ST, int cols, int np, float scale) {
 
 // ---- decoding: a few stacked queries against many keys ---------------------------------------
 // With n <= 8 queries a transposed score tile would fill a fraction of each vector, so here
-// the rows of K and V are read in place and the vectors run along the head dim instead:
-// S = Q·Kᵀ (n x keys) by dot products, O (n x Dv) += P·V with four rows and four vectors
-// of O held in registers. The result is written out as Oᵀ for the common code.
+// the rows of K and V (float32 or bfloat16, T) are read in place and the vectors run along
+// the head dim instead: S = Q·Kᵀ (n x keys) by dot products, O (n x Dv) += P·V with four
+// rows and four vectors of O held in registers, all in float32 (bfloat16 rows are widened
+// as they are loaded; P is not rounded). The result is written out as Oᵀ for the common code.
 constexpr int FEW_QUERIES = 8;
 
 inline bool few_queries_path(const Problem& p, int n) {
-  return n <= FEW_QUERIES && p.dtype == qkv::F32 && p.k.s3 == 1 && p.v.s3 == 1 && p.D % W == 0 &&
-         p.Dv % (4 * W) == 0;
+  return n <= FEW_QUERIES && (p.dtype == qkv::F32 || p.dtype == qkv::BF16) && p.k.s3 == 1 && p.v.s3 == 1 &&
+         p.D % W == 0 && p.Dv % (4 * W) == 0;
 }
 
 // S[rr][c] = Q[rr]·K[k0 + c] for the N query rows (Q: N x D, scaled) and the tile's keys.
 // N is a template parameter so the accumulators stay in registers.
-template <int N>
+template <int N, class T>
 inline void scores_by_rows(const Problem& p, const Tile& tj, const float* Q, float* S, int ld) {
-  const float* K = static_cast<const float*>(p.k.data) + tj.b * p.k.s0 + int64_t(tj.kv) * p.k.s1;
+  const T* K = static_cast<const T*>(p.k.data) + tj.b * p.k.s0 + int64_t(tj.kv) * p.k.s1;
   const int64_t ahead = 8 * p.k.s2;  // rows are streamed once: fetch 8 keys ahead
   for (int c = 0; c < tj.cols; ++c) {
-    const float* key = K + int64_t(tj.k0 + c) * p.k.s2;
+    const T* key = K + int64_t(tj.k0 + c) * p.k.s2;
     Vec acc[N];
     for (int rr = 0; rr < N; ++rr) acc[rr] = Vec::zero();
     for (int d = 0; d < p.D; d += W) {
@@ -772,16 +773,17 @@ inline void scores_by_rows(const Problem& p, const Tile& tj, const float* Q, flo
   }
 }
 
+template <class T>
 inline void scores_by_rows(const Problem& p, const Tile& tj, int n, const float* Q, float* S, int ld) {
   switch (n) {
-    case 1: scores_by_rows<1>(p, tj, Q, S, ld); break;
-    case 2: scores_by_rows<2>(p, tj, Q, S, ld); break;
-    case 3: scores_by_rows<3>(p, tj, Q, S, ld); break;
-    case 4: scores_by_rows<4>(p, tj, Q, S, ld); break;
-    case 5: scores_by_rows<5>(p, tj, Q, S, ld); break;
-    case 6: scores_by_rows<6>(p, tj, Q, S, ld); break;
-    case 7: scores_by_rows<7>(p, tj, Q, S, ld); break;
-    default: scores_by_rows<8>(p, tj, Q, S, ld); break;
+    case 1: scores_by_rows<1, T>(p, tj, Q, S, ld); break;
+    case 2: scores_by_rows<2, T>(p, tj, Q, S, ld); break;
+    case 3: scores_by_rows<3, T>(p, tj, Q, S, ld); break;
+    case 4: scores_by_rows<4, T>(p, tj, Q, S, ld); break;
+    case 5: scores_by_rows<5, T>(p, tj, Q, S, ld); break;
+    case 6: scores_by_rows<6, T>(p, tj, Q, S, ld); break;
+    case 7: scores_by_rows<7, T>(p, tj, Q, S, ld); break;
+    default: scores_by_rows<8, T>(p, tj, Q, S, ld); break;
   }
 }
 
@@ -812,15 +814,16 @@ inline void online_softmax_rows(int n, int cols, int ld, int Dv, float* S, float
 }
 
 // O (n x Dv) += P (n x ld) · V[k0 : k0 + cols]; P rows past n must be zero (up to a multiple of 4).
+template <class T>
 inline void values_by_rows(const Problem& p, const Tile& tj, int n, const float* P, int ld, float* O) {
-  const float* V = static_cast<const float*>(p.v.data) + tj.b * p.v.s0 + int64_t(tj.kv) * p.v.s1;
+  const T* V = static_cast<const T*>(p.v.data) + tj.b * p.v.s0 + int64_t(tj.kv) * p.v.s1;
   for (int r0 = 0; r0 < n; r0 += 4)
     for (int d0 = 0; d0 < p.Dv; d0 += 4 * W) {
       Vec acc[4][4];
       for (int rr = 0; rr < 4; ++rr)
         for (int v = 0; v < 4; ++v) acc[rr][v] = Vec::load(O + int64_t(r0 + rr) * p.Dv + d0 + v * W);
       for (int c = 0; c < tj.cols; ++c) {
-        const float* value = V + int64_t(tj.k0 + c) * p.v.s2 + d0;
+        const T* value = V + int64_t(tj.k0 + c) * p.v.s2 + d0;
         if (r0 == 0 && d0 == 0)  // the first pass over the tile fetches whole rows, 8 keys ahead
           for (int d = 0; d < p.Dv; d += W) __builtin_prefetch(value + 8 * p.v.s2 + d);
         Vec vv[4];
@@ -853,7 +856,8 @@ inline void for_each_key_tile(const ForwardPlan& plan, const Tile& tl, int split
   }
 }
 
-void few_queries_tiles(const ForwardPlan& plan, const Tile& tl, int split, Accumulator& acc) {
+template <class T>
+void few_queries_tiles_of(const ForwardPlan& plan, const Tile& tl, int split, Accumulator& acc) {
   const Problem& p = plan.f.p;
   const int n = tl.n(), n4 = round_up(n, 4), ld = round_up(p.block_k, W);
   Buffer Q(int64_t(n) * p.D), S(int64_t(n4) * ld);  // acc.O: n4 <= np zeroed rows of Dv (out_row = Dv)
@@ -862,11 +866,16 @@ void few_queries_tiles(const ForwardPlan& plan, const Tile& tl, int split, Accum
               Q.p + int64_t(g) * tl.rows * p.D);
   fill(S.p, int64_t(n4) * ld, 0.f);
   for_each_key_tile(plan, tl, split, acc, [&](const Tile& tj) {
-    scores_by_rows(p, tj, n, Q.p, S.p, ld);
+    scores_by_rows<T>(p, tj, n, Q.p, S.p, ld);
     apply_rule(tj, S.p, ld, 1);
     online_softmax_rows(n, tj.cols, ld, p.Dv, S.p, acc.m, acc.l, acc.O);
-    values_by_rows(p, tj, n, S.p, ld, acc.O);
+    values_by_rows<T>(p, tj, n, S.p, ld, acc.O);
   });
+}
+
+void few_queries_tiles(const ForwardPlan& plan, const Tile& tl, int split, Accumulator& acc) {
+  if (plan.f.p.dtype == qkv::BF16) few_queries_tiles_of<uint16_t>(plan, tl, split, acc);
+  else few_queries_tiles_of<float>(plan, tl, split, acc);
 }
 
 // Float32 products on the FMA units; rows of k and v that are not contiguous float32 are
@@ -989,7 +998,7 @@ void forward(const Forward& f) {
   const int G = p.Hq / p.Hkv, n = G * imin(p.block_q, p.Lq);
 #if defined(QKV_AMX)
   const bool float_on_amx = p.dtype == qkv::F32 && f.float32_on_amx && !few_queries_path(p, n);
-  const bool amx = p.dtype == qkv::BF16 || float_on_amx;
+  const bool amx = (p.dtype == qkv::BF16 && !few_queries_path(p, n)) || float_on_amx;
 #else
   const bool amx = false;
 #endif

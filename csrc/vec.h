@@ -45,6 +45,10 @@ struct Vec {
   static constexpr int W = 16;
   __m512 v;
   static Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static Vec load(const uint16_t* p) {  // bfloat16: each the high half of a float32
+    const __m512i words = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(words, 16))};
+  }
   static Vec set1(float x) { return {_mm512_set1_ps(x)}; }
   static Vec zero() { return {_mm512_setzero_ps()}; }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
@@ -79,6 +83,10 @@ struct Vec {
   static constexpr int W = 8;
   __m256 v;
   static Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static Vec load(const uint16_t* p) {  // bfloat16: each the high half of a float32
+    const __m256i words = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(words, 16))};
+  }
   static Vec set1(float x) { return {_mm256_set1_ps(x)}; }
   static Vec zero() { return {_mm256_setzero_ps()}; }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
@@ -119,6 +127,14 @@ struct Vec {  // portable: plain loops the compiler may vectorise for the baseli
   static constexpr int W = 8;
   float v[8];
   static Vec load(const float* p) { Vec r; std::memcpy(r.v, p, sizeof r.v); return r; }
+  static Vec load(const uint16_t* p) {  // bfloat16: each the high half of a float32
+    Vec r;
+    for (int i = 0; i < W; ++i) {
+      const uint32_t bits = uint32_t(p[i]) << 16;
+      std::memcpy(&r.v[i], &bits, 4);
+    }
+    return r;
+  }
   static Vec set1(float x) { Vec r; for (float& e : r.v) e = x; return r; }
   static Vec zero() { return set1(0.f); }
   void store(float* p) const { std::memcpy(p, v, sizeof v); }

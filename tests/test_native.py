@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import qkv
 from helpers import assert_within_rule, check_backend, to64
-from qkv import dispatch
+from qkv import dispatch, inputs
 from qkv.backends.native import default_threads
 
 torch = pytest.importorskip("torch")
@@ -70,7 +70,6 @@ MASKS = {None: None, "causal": qkv.causal(), "mask_fn": qkv.mask_fn(lambda b, h,
 def test_float32_products_on_either_unit(shape, mask, unit):
     """Float32 on AMX (each operand split exactly into three bfloat16 parts) and on the FMA
     units both keep the float32 rule, output and lse."""
-    from qkv import inputs
 
     q, k, v = _inputs(SHAPES[shape])
     with float32_products(unit):
@@ -138,7 +137,7 @@ def test_tile_sizes_by_call(shape, mask):
     """Unmasked bfloat16 takes the larger AMX tiles where AMX runs (about 128 queries over the
     group's heads, 256 keys); everything else the default tiles. Both agree with the float64
     oracle."""
-    from qkv import _native, inputs
+    from qkv import _native
     from qkv.backends.native import AMX_BLOCK_K, AMX_QUERIES, BLOCK_K, BLOCK_Q
 
     m = None if mask is None else qkv.causal()
@@ -262,14 +261,20 @@ def test_key_splits_merge_into_their_own_query_tile(rng, mask):
                        qkv.attention(*arrays, mask, backend="reference"), "float32")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("mask", [None, "padding", "window", "alibi"])
 @pytest.mark.parametrize("lq,hq,hkv", [(1, 32, 8), (2, 4, 1), (1, 3, 3), (3, 2, 1)])
-def test_decoding_path(rng, mask, lq, hq, hkv):
-    """Few stacked queries (the decoding path, key splits merged by lse) against the reference."""
+def test_decoding_path(rng, mask, lq, hq, hkv, dtype):
+    """Few stacked queries (the decoding path, key splits merged by lse, bfloat16 rows widened
+    as they are read) against the reference; float32 as NumPy arrays, bfloat16 as tensors."""
     q64, k64, v64 = (rng.standard_normal(s) for s in ((2, hq, lq, 64), (2, hkv, 3000, 64), (2, hkv, 3000, 128)))
     kwargs = {"padding": {"mask": qkv.padding([3000, 1234])}, "window": {"mask": qkv.window(700)},
               "alibi": {"score_mod": qkv.alibi(rng.random(hq) * 0.01)}, None: {}}[mask]
-    arrays = [x.astype(np.float32) for x in (q64, k64, v64)]
+    if dtype == "float32":
+        arrays = [x.astype(np.float32) for x in (q64, k64, v64)]
+    else:
+        arrays = [torch.from_numpy(x).to(torch.bfloat16) for x in (q64, k64, v64)]
+    assert not native.on_amx(inputs.prepare(*arrays, **kwargs))  # the FMA units' decoding path
     got = qkv.attention(*arrays, backend="native", **kwargs)
     want = qkv.attention(q64, k64, v64, backend="reference", **kwargs)
-    assert_within_rule(got, want, qkv.attention(*arrays, backend="reference", **kwargs), "float32")
+    assert_within_rule(got, want, qkv.attention(*arrays, backend="reference", **kwargs), dtype)

@@ -34,7 +34,8 @@ BLOCK_Q, BLOCK_K = 64, 128
 # head, 8-9% with 2, 5-9% with 4, 13-14% with 8). Masked calls keep 64 x 128, which wastes
 # less on the diagonal (causal was 6% slower with 128 x 256).
 AMX_QUERIES, AMX_BLOCK_K = 128, 256
-# Stacked queries up to which float32 stays on the FMA units (the kernel's decoding path).
+# Stacked queries per KV head up to which the kernel takes its decoding path (K and V rows
+# read in place, on the FMA units) where the head dims allow it; csrc/kernel.h, few_queries_path.
 FEW_QUERIES = 8
 
 
@@ -70,10 +71,10 @@ class NativeBackend(Backend):
 
     def on_amx(self, inp):
         """Whether this call's forward products run on AMX tiles: bfloat16 always where AMX
-        runs, float32 when float32_on_amx is on, except with few queries (decoding)."""
-        if _native is None or _native.isa() != "amx":
+        runs, float32 when float32_on_amx is on, except on the decoding path."""
+        if _native is None or _native.isa() != "amx" or _few_queries(inp):
             return False
-        return inp.dtype == "bfloat16" or (self.float32_on_amx and inp.group * inp.Lq > FEW_QUERIES)
+        return inp.dtype == "bfloat16" or self.float32_on_amx
 
     def block_sizes(self, inp):
         """The forward's (block_q, block_k); the backward always runs on BLOCK_Q x BLOCK_K."""
@@ -119,6 +120,15 @@ class NativeBackend(Backend):
         up = lambda n: -(-n // 32) * 32  # noqa: E731 (the kernel pads to 32)
         values, keys = (up(inp.Dv), 0) if inp.dtype == "bfloat16" else (3 * up(inp.Dv), 3 * up(inp.D))
         return 2 * inp.B * inp.Hkv * up(inp.Lk) * (values + keys)
+
+
+def _few_queries(inp) -> bool:
+    """Whether the kernel takes its decoding path (as csrc/kernel.h, few_queries_path, with
+    AMX's 16-float vectors): few stacked queries, K and V rows contiguous, D % 16 == 0 and
+    Dv % 64 == 0."""
+    contiguous_rows = all(x.stride(-1) == 1 if _arrays.is_torch(x) else x.strides[-1] == x.itemsize
+                          for x in (inp.k, inp.v))
+    return inp.group * inp.Lq <= FEW_QUERIES and contiguous_rows and inp.D % 16 == 0 and inp.Dv % 64 == 0
 
 
 def _for_kernel(*arrays):
