@@ -748,6 +748,8 @@ inline void scale_tile(float* ST, int cols, int np, float scale) {
 // rows and four vectors of O held in registers, all in float32 (bfloat16 rows are widened
 // as they are loaded; P is not rounded). The result is written out as Oᵀ for the common code.
 constexpr int FEW_QUERIES = 8;
+// K and V rows are prefetched this many keys ahead (16 and 32 measured no different).
+constexpr int ROWS_AHEAD = 8;
 
 inline bool few_queries_path(const Problem& p, int n) {
   return n <= FEW_QUERIES && (p.dtype == qkv::F32 || p.dtype == qkv::BF16) && p.k.s3 == 1 && p.v.s3 == 1 &&
@@ -759,7 +761,7 @@ inline bool few_queries_path(const Problem& p, int n) {
 template <int N, class T>
 inline void scores_by_rows(const Problem& p, const Tile& tj, const float* Q, float* S, int ld) {
   const T* K = static_cast<const T*>(p.k.data) + tj.b * p.k.s0 + int64_t(tj.kv) * p.k.s1;
-  const int64_t ahead = 8 * p.k.s2;  // rows are streamed once: fetch 8 keys ahead
+  const int64_t ahead = ROWS_AHEAD * p.k.s2;  // rows are streamed once: fetch them ahead
   for (int c = 0; c < tj.cols; ++c) {
     const T* key = K + int64_t(tj.k0 + c) * p.k.s2;
     Vec acc[N];
@@ -813,28 +815,39 @@ inline void online_softmax_rows(int n, int cols, int ld, int Dv, float* S, float
   }
 }
 
-// O (n x Dv) += P (n x ld) · V[k0 : k0 + cols]; P rows past n must be zero (up to a multiple of 4).
+// O (rows r0 .. r0 + R, Dv) += P (those rows of n x ld) · V[k0 : k0 + cols]: R rows and four
+// vectors of O in registers.
+template <int R, class T>
+inline void values_for_rows(const Problem& p, const Tile& tj, int r0, const float* P, int ld, float* O) {
+  const T* V = static_cast<const T*>(p.v.data) + tj.b * p.v.s0 + int64_t(tj.kv) * p.v.s1;
+  for (int d0 = 0; d0 < p.Dv; d0 += 4 * W) {
+    Vec acc[R][4];
+    for (int rr = 0; rr < R; ++rr)
+      for (int v = 0; v < 4; ++v) acc[rr][v] = Vec::load(O + int64_t(r0 + rr) * p.Dv + d0 + v * W);
+    for (int c = 0; c < tj.cols; ++c) {
+      const T* value = V + int64_t(tj.k0 + c) * p.v.s2 + d0;
+      if (r0 == 0 && d0 == 0)  // the first pass over the tile fetches whole rows ahead
+        for (int d = 0; d < p.Dv; d += W) __builtin_prefetch(value + ROWS_AHEAD * p.v.s2 + d);
+      Vec vv[4];
+      for (int v = 0; v < 4; ++v) vv[v] = Vec::load(value + v * W);
+      for (int rr = 0; rr < R; ++rr) {
+        Vec pr = Vec::set1(P[(r0 + rr) * ld + c]);
+        for (int v = 0; v < 4; ++v) acc[rr][v] = Vec::fma(pr, vv[v], acc[rr][v]);
+      }
+    }
+    for (int rr = 0; rr < R; ++rr)
+      for (int v = 0; v < 4; ++v) acc[rr][v].store(O + int64_t(r0 + rr) * p.Dv + d0 + v * W);
+  }
+}
+
+// O (n x Dv) += P (n x ld) · V[k0 : k0 + cols], four rows at a time and the last 1-4.
 template <class T>
 inline void values_by_rows(const Problem& p, const Tile& tj, int n, const float* P, int ld, float* O) {
-  const T* V = static_cast<const T*>(p.v.data) + tj.b * p.v.s0 + int64_t(tj.kv) * p.v.s1;
-  for (int r0 = 0; r0 < n; r0 += 4)
-    for (int d0 = 0; d0 < p.Dv; d0 += 4 * W) {
-      Vec acc[4][4];
-      for (int rr = 0; rr < 4; ++rr)
-        for (int v = 0; v < 4; ++v) acc[rr][v] = Vec::load(O + int64_t(r0 + rr) * p.Dv + d0 + v * W);
-      for (int c = 0; c < tj.cols; ++c) {
-        const T* value = V + int64_t(tj.k0 + c) * p.v.s2 + d0;
-        if (r0 == 0 && d0 == 0)  // the first pass over the tile fetches whole rows, 8 keys ahead
-          for (int d = 0; d < p.Dv; d += W) __builtin_prefetch(value + 8 * p.v.s2 + d);
-        Vec vv[4];
-        for (int v = 0; v < 4; ++v) vv[v] = Vec::load(value + v * W);
-        for (int rr = 0; rr < 4; ++rr) {
-          Vec pr = Vec::set1(P[(r0 + rr) * ld + c]);
-          for (int v = 0; v < 4; ++v) acc[rr][v] = Vec::fma(pr, vv[v], acc[rr][v]);
-        }
-      }
-      for (int rr = 0; rr < 4; ++rr)
-        for (int v = 0; v < 4; ++v) acc[rr][v].store(O + int64_t(r0 + rr) * p.Dv + d0 + v * W);
+  for (int r0 = 0; r0 < n; r0 += 4) switch (imin(4, n - r0)) {
+      case 1: values_for_rows<1, T>(p, tj, r0, P, ld, O); break;
+      case 2: values_for_rows<2, T>(p, tj, r0, P, ld, O); break;
+      case 3: values_for_rows<3, T>(p, tj, r0, P, ld, O); break;
+      default: values_for_rows<4, T>(p, tj, r0, P, ld, O); break;
     }
 }
 

@@ -263,7 +263,7 @@ def test_key_splits_merge_into_their_own_query_tile(rng, mask):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("mask", [None, "padding", "window", "alibi"])
-@pytest.mark.parametrize("lq,hq,hkv", [(1, 32, 8), (2, 4, 1), (1, 3, 3), (3, 2, 1)])
+@pytest.mark.parametrize("lq,hq,hkv", [(1, 32, 8), (2, 4, 1), (1, 3, 3), (3, 2, 1), (3, 1, 1)])
 def test_decoding_path(rng, mask, lq, hq, hkv, dtype):
     """Few stacked queries (the decoding path, key splits merged by lse, bfloat16 rows widened
     as they are read) against the reference; float32 as NumPy arrays, bfloat16 as tensors."""
