@@ -744,8 +744,8 @@ inline void scale_tile(float* ST, int cols, int np, float scale) {
 // ---- decoding: a few stacked queries against many keys ---------------------------------------
 // With n <= 8 queries a transposed score tile would fill a fraction of each vector, so here
 // the rows of K and V (float32 or bfloat16, T) are read in place and the vectors run along
-// the head dim instead: S = Q·Kᵀ (n x keys) by dot products, O (n x Dv) += P·V with four
-// rows and four vectors of O held in registers, all in float32 (bfloat16 rows are widened
+// the head dim instead: S = Q·Kᵀ (n x keys) by dot products, O (n x Dv) += P·V with up to
+// four rows and four vectors of O held in registers, all in float32 (bfloat16 rows are widened
 // as they are loaded; P is not rounded). The result is written out as Oᵀ for the common code.
 constexpr int FEW_QUERIES = 8;
 // K and V rows are prefetched this many keys ahead (16 and 32 measured no different).
@@ -753,7 +753,7 @@ constexpr int ROWS_AHEAD = 8;
 
 inline bool few_queries_path(const Problem& p, int n) {
   return n <= FEW_QUERIES && (p.dtype == qkv::F32 || p.dtype == qkv::BF16) && p.k.s3 == 1 && p.v.s3 == 1 &&
-         p.D % W == 0 && p.Dv % (4 * W) == 0;
+         p.D % W == 0 && p.Dv % W == 0;
 }
 
 // S[rr][c] = Q[rr]·K[k0 + c] for the N query rows (Q: N x D, scaled) and the tile's keys.
@@ -815,29 +815,35 @@ inline void online_softmax_rows(int n, int cols, int ld, int Dv, float* S, float
   }
 }
 
-// O (rows r0 .. r0 + R, Dv) += P (those rows of n x ld) · V[k0 : k0 + cols]: R rows and four
-// vectors of O in registers.
+// O (rows r0 .. r0 + R, columns d0 .. d0 + NV * W) += P (those rows of n x ld) · V[k0 : k0 + cols]
+// (those columns): R rows and NV vectors of O in registers.
+template <int R, int NV, class T>
+inline void values_block(const Problem& p, const Tile& tj, int r0, int d0, const float* P, int ld, float* O) {
+  const T* V = static_cast<const T*>(p.v.data) + tj.b * p.v.s0 + int64_t(tj.kv) * p.v.s1;
+  Vec acc[R][NV];
+  for (int rr = 0; rr < R; ++rr)
+    for (int v = 0; v < NV; ++v) acc[rr][v] = Vec::load(O + int64_t(r0 + rr) * p.Dv + d0 + v * W);
+  for (int c = 0; c < tj.cols; ++c) {
+    const T* value = V + int64_t(tj.k0 + c) * p.v.s2 + d0;
+    if (r0 == 0 && d0 == 0)  // the first pass over the tile fetches whole rows ahead
+      for (int d = 0; d < p.Dv; d += W) __builtin_prefetch(value + ROWS_AHEAD * p.v.s2 + d);
+    Vec vv[NV];
+    for (int v = 0; v < NV; ++v) vv[v] = Vec::load(value + v * W);
+    for (int rr = 0; rr < R; ++rr) {
+      Vec pr = Vec::set1(P[(r0 + rr) * ld + c]);
+      for (int v = 0; v < NV; ++v) acc[rr][v] = Vec::fma(pr, vv[v], acc[rr][v]);
+    }
+  }
+  for (int rr = 0; rr < R; ++rr)
+    for (int v = 0; v < NV; ++v) acc[rr][v].store(O + int64_t(r0 + rr) * p.Dv + d0 + v * W);
+}
+
+// Rows r0 .. r0 + R of O: four vectors at a time, then what is left of Dv one at a time.
 template <int R, class T>
 inline void values_for_rows(const Problem& p, const Tile& tj, int r0, const float* P, int ld, float* O) {
-  const T* V = static_cast<const T*>(p.v.data) + tj.b * p.v.s0 + int64_t(tj.kv) * p.v.s1;
-  for (int d0 = 0; d0 < p.Dv; d0 += 4 * W) {
-    Vec acc[R][4];
-    for (int rr = 0; rr < R; ++rr)
-      for (int v = 0; v < 4; ++v) acc[rr][v] = Vec::load(O + int64_t(r0 + rr) * p.Dv + d0 + v * W);
-    for (int c = 0; c < tj.cols; ++c) {
-      const T* value = V + int64_t(tj.k0 + c) * p.v.s2 + d0;
-      if (r0 == 0 && d0 == 0)  // the first pass over the tile fetches whole rows ahead
-        for (int d = 0; d < p.Dv; d += W) __builtin_prefetch(value + ROWS_AHEAD * p.v.s2 + d);
-      Vec vv[4];
-      for (int v = 0; v < 4; ++v) vv[v] = Vec::load(value + v * W);
-      for (int rr = 0; rr < R; ++rr) {
-        Vec pr = Vec::set1(P[(r0 + rr) * ld + c]);
-        for (int v = 0; v < 4; ++v) acc[rr][v] = Vec::fma(pr, vv[v], acc[rr][v]);
-      }
-    }
-    for (int rr = 0; rr < R; ++rr)
-      for (int v = 0; v < 4; ++v) acc[rr][v].store(O + int64_t(r0 + rr) * p.Dv + d0 + v * W);
-  }
+  int d0 = 0;
+  for (; d0 + 4 * W <= p.Dv; d0 += 4 * W) values_block<R, 4, T>(p, tj, r0, d0, P, ld, O);
+  for (; d0 < p.Dv; d0 += W) values_block<R, 1, T>(p, tj, r0, d0, P, ld, O);
 }
 
 // O (n x Dv) += P (n x ld) · V[k0 : k0 + cols], four rows at a time and the last 1-4.

@@ -124,11 +124,11 @@ class NativeBackend(Backend):
 
 def _few_queries(inp) -> bool:
     """Whether the kernel takes its decoding path (as csrc/kernel.h, few_queries_path, with
-    AMX's 16-float vectors): few stacked queries, K and V rows contiguous, D % 16 == 0 and
-    Dv % 64 == 0."""
+    AMX's 16-float vectors): few stacked queries, K and V rows contiguous, D and Dv
+    multiples of 16."""
     contiguous_rows = all(x.stride(-1) == 1 if _arrays.is_torch(x) else x.strides[-1] == x.itemsize
                           for x in (inp.k, inp.v))
-    return inp.group * inp.Lq <= FEW_QUERIES and contiguous_rows and inp.D % 16 == 0 and inp.Dv % 64 == 0
+    return inp.group * inp.Lq <= FEW_QUERIES and contiguous_rows and inp.D % 16 == 0 and inp.Dv % 16 == 0
 
 
 def _for_kernel(*arrays):
