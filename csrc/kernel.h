@@ -439,8 +439,8 @@ inline int threads_for(const Problem& p, double min_multiply_adds) {
   const double multiply_adds = double(p.B) * p.Hq * p.Lq * p.Lk * (p.D + p.Dv);
   return multiply_adds < min_multiply_adds ? 1 : p.num_threads;
 }
-// Decoding (few_queries_tiles) costs what it reads of K and V, not its multiply-adds, four
-// bytes per multiply-add with one query. With 8 heads of 64 and one query, two threads
+// Decoding (few_queries_tiles) costs what it reads of K and V, not its multiply-adds (float32
+// with one query: four bytes per multiply-add). With 8 heads of 64 and one query, two threads
 // ran 0.92-1.17x as fast as one at 1 MiB of K and V, 1.05 at 1.25 MiB, 1.37-1.70 at 2 MiB.
 constexpr double FEW_QUERIES_MIN_PARALLEL_BYTES = 1.25 * (1 << 20);
 inline int few_queries_threads(const Problem& p) {
@@ -878,13 +878,12 @@ inline void for_each_key_tile(const ForwardPlan& plan, const Tile& tl, int split
 template <class T>
 void few_queries_tiles_of(const ForwardPlan& plan, const Tile& tl, int split, Accumulator& acc) {
   const Problem& p = plan.f.p;
-  const int n = tl.n(), n4 = round_up(n, 4), ld = round_up(p.block_k, W);
-  Buffer Q(int64_t(n) * p.D), S(int64_t(n4) * ld);  // acc.O: n4 <= np zeroed rows of Dv (out_row = Dv)
+  const int n = tl.n(), ld = round_up(p.block_k, W);
+  Buffer Q(int64_t(n) * p.D), S(int64_t(n) * ld);  // acc.O: n <= np zeroed rows of Dv (out_row = Dv)
   for (int g = 0; g < plan.G; ++g)
     load_rows(p.q, p.dtype, tl.b, tl.kv * plan.G + g, tl.q0, tl.rows, tl.rows, p.D, p.D, p.scale,
               Q.p + int64_t(g) * tl.rows * p.D);
-  fill(S.p, int64_t(n4) * ld, 0.f);
-  for_each_key_tile(plan, tl, split, acc, [&](const Tile& tj) {
+  for_each_key_tile(plan, tl, split, acc, [&](const Tile& tj) {  // each reads only what it wrote to S
     scores_by_rows<T>(p, tj, n, Q.p, S.p, ld);
     apply_rule(tj, S.p, ld, 1);
     online_softmax_rows(n, tj.cols, ld, p.Dv, S.p, acc.m, acc.l, acc.O);
