@@ -72,9 +72,9 @@ class NativeBackend(Backend):
     def on_amx(self, inp):
         """Whether this call's forward products run on AMX tiles: bfloat16 always where AMX
         runs, float32 when float32_on_amx is on, except on the decoding path."""
-        if _native is None or _native.isa() != "amx" or _few_queries(inp):
+        if _native is None or _native.isa() != "amx":
             return False
-        return inp.dtype == "bfloat16" or self.float32_on_amx
+        return (inp.dtype == "bfloat16" or self.float32_on_amx) and not _few_queries(inp)
 
     def block_sizes(self, inp):
         """The forward's (block_q, block_k); the backward always runs on BLOCK_Q x BLOCK_K."""
@@ -126,9 +126,9 @@ def _few_queries(inp) -> bool:
     """Whether the kernel takes its decoding path (as csrc/kernel.h, few_queries_path, with
     AMX's 16-float vectors): few stacked queries, K and V rows contiguous, D and Dv
     multiples of 16."""
-    contiguous_rows = all(x.stride(-1) == 1 if _arrays.is_torch(x) else x.strides[-1] == x.itemsize
-                          for x in (inp.k, inp.v))
-    return inp.group * inp.Lq <= FEW_QUERIES and contiguous_rows and inp.D % 16 == 0 and inp.Dv % 16 == 0
+    if inp.group * inp.Lq > FEW_QUERIES or inp.D % 16 or inp.Dv % 16:
+        return False
+    return all(x.stride(-1) == 1 if _arrays.is_torch(x) else x.strides[-1] == x.itemsize for x in (inp.k, inp.v))
 
 
 def _for_kernel(*arrays):
