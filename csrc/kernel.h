@@ -742,18 +742,23 @@ inline void scale_tile(float* ST, int cols, int np, float scale) {
 
 
 // ---- decoding: a few stacked queries against many keys ---------------------------------------
-// With n <= 8 queries a transposed score tile would fill a fraction of each vector, so here
+// With few queries a transposed score tile would fill a fraction of each vector, so here
 // the rows of K and V (float32 or bfloat16, T) are read in place and the vectors run along
 // the head dim instead: S = Q·Kᵀ (n x keys) by dot products, O (n x Dv) += P·V with up to
 // four rows and four vectors of O held in registers, all in float32 (bfloat16 rows are widened
 // as they are loaded; P is not rounded). The result is written out as Oᵀ for the common code.
-constexpr int FEW_QUERIES = 8;
+// Up to how many stacked queries (per KV head) take this path. bfloat16 goes further: on AMX
+// it would first pack all of Vᵀ, which few queries do not pay back (32/8 heads of 128 over
+// 1024 and 8192 keys: at 16 queries here 583-602 and 4907-5002 µs against 1571-1670 and
+// 15185-16571, at 32 1102-1127 and 9138-9175 against 1627-1835 and 13683-15300, at 64
+// 2242-2246 and 17420-17704 against 1757-1911 and 15029-16411).
+constexpr int FEW_QUERIES = 8, FEW_QUERIES_BF16 = 32;
 // K and V rows are prefetched this many keys ahead (16 and 32 measured no different).
 constexpr int ROWS_AHEAD = 8;
 
 inline bool few_queries_path(const Problem& p, int n) {
-  return n <= FEW_QUERIES && (p.dtype == qkv::F32 || p.dtype == qkv::BF16) && p.k.s3 == 1 && p.v.s3 == 1 &&
-         p.D % W == 0 && p.Dv % W == 0;
+  const int most = p.dtype == qkv::BF16 ? FEW_QUERIES_BF16 : p.dtype == qkv::F32 ? FEW_QUERIES : 0;
+  return n <= most && p.k.s3 == 1 && p.v.s3 == 1 && p.D % W == 0 && p.Dv % W == 0;
 }
 
 // S[rr][c] = Q[rr]·K[k0 + c] for the N query rows (Q: N x D, scaled) and the tile's keys.
@@ -775,17 +780,22 @@ inline void scores_by_rows(const Problem& p, const Tile& tj, const float* Q, flo
   }
 }
 
+// All n rows, eight at a time (the tile's K rows stay in L1 for the next eight).
 template <class T>
 inline void scores_by_rows(const Problem& p, const Tile& tj, int n, const float* Q, float* S, int ld) {
-  switch (n) {
-    case 1: scores_by_rows<1, T>(p, tj, Q, S, ld); break;
-    case 2: scores_by_rows<2, T>(p, tj, Q, S, ld); break;
-    case 3: scores_by_rows<3, T>(p, tj, Q, S, ld); break;
-    case 4: scores_by_rows<4, T>(p, tj, Q, S, ld); break;
-    case 5: scores_by_rows<5, T>(p, tj, Q, S, ld); break;
-    case 6: scores_by_rows<6, T>(p, tj, Q, S, ld); break;
-    case 7: scores_by_rows<7, T>(p, tj, Q, S, ld); break;
-    default: scores_by_rows<8, T>(p, tj, Q, S, ld); break;
+  for (int r0 = 0; r0 < n; r0 += 8) {
+    const float* q = Q + int64_t(r0) * p.D;
+    float* s = S + int64_t(r0) * ld;
+    switch (imin(8, n - r0)) {
+      case 1: scores_by_rows<1, T>(p, tj, q, s, ld); break;
+      case 2: scores_by_rows<2, T>(p, tj, q, s, ld); break;
+      case 3: scores_by_rows<3, T>(p, tj, q, s, ld); break;
+      case 4: scores_by_rows<4, T>(p, tj, q, s, ld); break;
+      case 5: scores_by_rows<5, T>(p, tj, q, s, ld); break;
+      case 6: scores_by_rows<6, T>(p, tj, q, s, ld); break;
+      case 7: scores_by_rows<7, T>(p, tj, q, s, ld); break;
+      default: scores_by_rows<8, T>(p, tj, q, s, ld); break;
+    }
   }
 }
 

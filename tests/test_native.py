@@ -263,11 +263,12 @@ def test_key_splits_merge_into_their_own_query_tile(rng, mask):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("mask", [None, "padding", "window", "alibi"])
-@pytest.mark.parametrize("lq,hq,hkv", [(1, 32, 8), (2, 4, 1), (1, 3, 3), (3, 2, 1), (3, 1, 1)])
+@pytest.mark.parametrize("lq,hq,hkv", [(1, 32, 8), (2, 4, 1), (1, 3, 3), (3, 2, 1), (3, 1, 1), (5, 2, 1), (4, 8, 1)])
 @pytest.mark.parametrize("d,dv", [(64, 128), (48, 80)])  # 80: four vectors of 16, then one
 def test_decoding_path(rng, mask, lq, hq, hkv, dtype, d, dv):
     """Few stacked queries (the decoding path, key splits merged by lse, bfloat16 rows widened
-    as they are read) against the reference; float32 as NumPy arrays, bfloat16 as tensors."""
+    as they are read; bfloat16 up to 32 stacked queries, float32 up to 8, more on the tiles)
+    against the reference; float32 as NumPy arrays, bfloat16 as tensors."""
     q64, k64, v64 = (rng.standard_normal(s) for s in ((2, hq, lq, d), (2, hkv, 3000, d), (2, hkv, 3000, dv)))
     kwargs = {"padding": {"mask": qkv.padding([3000, 1234])}, "window": {"mask": qkv.window(700)},
               "alibi": {"score_mod": qkv.alibi(rng.random(hq) * 0.01)}, None: {}}[mask]

@@ -36,7 +36,7 @@ BLOCK_Q, BLOCK_K = 64, 128
 AMX_QUERIES, AMX_BLOCK_K = 128, 256
 # Stacked queries per KV head up to which the kernel takes its decoding path (K and V rows
 # read in place, on the FMA units) where the head dims allow it; csrc/kernel.h, few_queries_path.
-FEW_QUERIES = 8
+FEW_QUERIES = {"float32": 8, "bfloat16": 32}
 
 
 def default_threads() -> int:
@@ -126,7 +126,7 @@ def _few_queries(inp) -> bool:
     """Whether the kernel takes its decoding path (as csrc/kernel.h, few_queries_path, with
     AMX's 16-float vectors): few stacked queries, K and V rows contiguous, D and Dv
     multiples of 16."""
-    if inp.group * inp.Lq > FEW_QUERIES or inp.D % 16 or inp.Dv % 16:
+    if inp.group * min(inp.Lq, BLOCK_Q) > FEW_QUERIES[inp.dtype] or inp.D % 16 or inp.Dv % 16:
         return False
     return all(x.stride(-1) == 1 if _arrays.is_torch(x) else x.strides[-1] == x.itemsize for x in (inp.k, inp.v))
 
