@@ -1024,16 +1024,17 @@ void forward(const Forward& f) {
   const Problem& p = f.p;
   if (p.B == 0 || p.Hkv == 0 || p.Lq == 0) return;  // nothing to write
   const int G = p.Hq / p.Hkv, n = G * imin(p.block_q, p.Lq);
+  const bool few_queries = few_queries_path(p, n);  // decoding: on the FMA units, either dtype
 #if defined(QKV_AMX)
-  const bool float_on_amx = p.dtype == qkv::F32 && f.float32_on_amx && !few_queries_path(p, n);
-  const bool amx = (p.dtype == qkv::BF16 && !few_queries_path(p, n)) || float_on_amx;
+  const bool float_on_amx = p.dtype == qkv::F32 && f.float32_on_amx && !few_queries;
+  const bool amx = !few_queries && (p.dtype == qkv::BF16 || float_on_amx);
 #else
   const bool amx = false;
 #endif
   ForwardPlan plan{f, G, cdiv(p.Lq, p.block_q), cdiv(p.Lk, p.block_k), 1, 0, round_up(n, amx ? 32 : W),
                    amx ? round_up(p.Dv, 32) : p.Dv, amx};
   plan.tiles_per_split = plan.nk;
-  plan.few_queries = !amx && few_queries_path(p, n);
+  plan.few_queries = few_queries;
   const int threads = plan.few_queries ? few_queries_threads(p) : threads_for(p, FORWARD_MIN_PARALLEL);
   plan.out_d = plan.few_queries ? 1 : plan.np, plan.out_row = plan.few_queries ? p.Dv : 1;
   const int64_t items = int64_t(p.B) * p.Hkv * plan.nq;
