@@ -70,7 +70,6 @@ MASKS = {None: None, "causal": qkv.causal(), "mask_fn": qkv.mask_fn(lambda b, h,
 def test_float32_products_on_either_unit(shape, mask, unit):
     """Float32 on AMX (each operand split exactly into three bfloat16 parts) and on the FMA
     units both keep the float32 rule, output and lse."""
-
     q, k, v = _inputs(SHAPES[shape])
     with float32_products(unit):
         if unit == "amx" and _native_isa() == "amx":
@@ -137,13 +136,12 @@ def test_tile_sizes_by_call(shape, mask):
     """Unmasked bfloat16 takes the larger AMX tiles where AMX runs (about 128 queries over the
     group's heads, 256 keys); everything else the default tiles. Both agree with the float64
     oracle."""
-    from qkv import _native
     from qkv.backends.native import AMX_BLOCK_K, AMX_QUERIES, BLOCK_K, BLOCK_Q
 
     m = None if mask is None else qkv.causal()
     q, k, v = _inputs(SHAPES[shape], torch.bfloat16)
     inp = inputs.prepare(q, k, v, m)
-    large = mask is None and _native.isa() == "amx"
+    large = mask is None and _native_isa() == "amx"
     want = (AMX_QUERIES // inp.group, AMX_BLOCK_K) if large else (BLOCK_Q, BLOCK_K)
     assert native.block_sizes(inp) == want
     check_backend("native", (q, k, v), tuple(to64(x) for x in (q, k, v)), "bfloat16", mask=m)
