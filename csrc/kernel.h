@@ -144,8 +144,10 @@ struct Operand {
 
 // add is a template parameter so the accumulators start in registers with no branch, and
 // A's pointer and strides travel in registers (an Operand by value would go through memory).
-template <int MR, int NV, bool ADD>
-inline void micro(int K, const float* A, int64_t ars, int64_t acs, const float* B, int ldb, float* C, int ldc) {
+// With MAX, colmax (NV vectors) also takes the maxima of C's columns over these MR rows.
+template <int MR, int NV, bool ADD, bool MAX = false>
+inline void micro(int K, const float* A, int64_t ars, int64_t acs, const float* B, int ldb, float* C, int ldc,
+                  float* colmax = nullptr) {
   Vec c[MR][NV];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
@@ -167,37 +169,49 @@ inline void micro(int K, const float* A, int64_t ars, int64_t acs, const float* 
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) c[r][v].store(C + r * ldc + v * W);
+  if constexpr (MAX) {
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      Vec mx = Vec::load(colmax + v * W);
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) mx = Vec::max(mx, c[r][v]);
+      mx.store(colmax + v * W);
+    }
+  }
 }
 
-template <int NV, bool ADD>
-inline void gemm_columns(int M, int K, Operand A, const float* B, int ldb, float* C, int ldc) {
+template <int NV, bool ADD, bool MAX>
+inline void gemm_columns(int M, int K, Operand A, const float* B, int ldb, float* C, int ldc, float* colmax) {
   constexpr int MR = NV >= 4 ? 6 : 8;
   int i = 0;
-  for (; i + MR <= M; i += MR) micro<MR, NV, ADD>(K, A.p + i * A.rs, A.rs, A.cs, B, ldb, C + int64_t(i) * ldc, ldc);
+  for (; i + MR <= M; i += MR)
+    micro<MR, NV, ADD, MAX>(K, A.p + i * A.rs, A.rs, A.cs, B, ldb, C + int64_t(i) * ldc, ldc, colmax);
   const float* a = A.p + i * A.rs;
   float* c = C + int64_t(i) * ldc;
   switch (M - i) {  // the last rows in one block too, so B is loaded once per k for them
-    case 7: micro<7, NV, ADD>(K, a, A.rs, A.cs, B, ldb, c, ldc); break;
-    case 6: micro<6, NV, ADD>(K, a, A.rs, A.cs, B, ldb, c, ldc); break;
-    case 5: micro<5, NV, ADD>(K, a, A.rs, A.cs, B, ldb, c, ldc); break;
-    case 4: micro<4, NV, ADD>(K, a, A.rs, A.cs, B, ldb, c, ldc); break;
-    case 3: micro<3, NV, ADD>(K, a, A.rs, A.cs, B, ldb, c, ldc); break;
-    case 2: micro<2, NV, ADD>(K, a, A.rs, A.cs, B, ldb, c, ldc); break;
-    case 1: micro<1, NV, ADD>(K, a, A.rs, A.cs, B, ldb, c, ldc); break;
+    case 7: micro<7, NV, ADD, MAX>(K, a, A.rs, A.cs, B, ldb, c, ldc, colmax); break;
+    case 6: micro<6, NV, ADD, MAX>(K, a, A.rs, A.cs, B, ldb, c, ldc, colmax); break;
+    case 5: micro<5, NV, ADD, MAX>(K, a, A.rs, A.cs, B, ldb, c, ldc, colmax); break;
+    case 4: micro<4, NV, ADD, MAX>(K, a, A.rs, A.cs, B, ldb, c, ldc, colmax); break;
+    case 3: micro<3, NV, ADD, MAX>(K, a, A.rs, A.cs, B, ldb, c, ldc, colmax); break;
+    case 2: micro<2, NV, ADD, MAX>(K, a, A.rs, A.cs, B, ldb, c, ldc, colmax); break;
+    case 1: micro<1, NV, ADD, MAX>(K, a, A.rs, A.cs, B, ldb, c, ldc, colmax); break;
     default: break;
   }
 }
 
-template <bool ADD>
-inline void gemm_into(int M, int N, int K, Operand A, const float* B, int ldb, float* C, int ldc) {
+template <bool ADD, bool MAX = false>
+inline void gemm_into(int M, int N, int K, Operand A, const float* B, int ldb, float* C, int ldc,
+                      float* colmax = nullptr) {
   for (int j = 0; j < N;) {
     int vectors = (N - j) / W;
     int nv = vectors >= 4 ? 4 : vectors;
+    float* mx = MAX ? colmax + j : nullptr;
     switch (nv) {
-      case 4: gemm_columns<4, ADD>(M, K, A, B + j, ldb, C + j, ldc); break;
-      case 3: gemm_columns<3, ADD>(M, K, A, B + j, ldb, C + j, ldc); break;
-      case 2: gemm_columns<2, ADD>(M, K, A, B + j, ldb, C + j, ldc); break;
-      default: gemm_columns<1, ADD>(M, K, A, B + j, ldb, C + j, ldc); break;
+      case 4: gemm_columns<4, ADD, MAX>(M, K, A, B + j, ldb, C + j, ldc, mx); break;
+      case 3: gemm_columns<3, ADD, MAX>(M, K, A, B + j, ldb, C + j, ldc, mx); break;
+      case 2: gemm_columns<2, ADD, MAX>(M, K, A, B + j, ldb, C + j, ldc, mx); break;
+      default: gemm_columns<1, ADD, MAX>(M, K, A, B + j, ldb, C + j, ldc, mx); break;
     }
     j += nv * W;
   }
@@ -206,6 +220,14 @@ inline void gemm_into(int M, int N, int K, Operand A, const float* B, int ldb, f
 inline void gemm(int M, int N, int K, Operand A, const float* B, int ldb, float* C, int ldc, bool add) {
   if (add) gemm_into<true>(M, N, K, A, B, ldb, C, ldc);
   else gemm_into<false>(M, N, K, A, B, ldb, C, ldc);
+}
+
+// C = A·B as gemm does, and colmax (N) = the maxima of C's columns: the softmax then needs
+// no pass of its own over the scores for them.
+inline void gemm_column_max(int M, int N, int K, Operand A, const float* B, int ldb, float* C, int ldc,
+                            float* colmax) {
+  fill(colmax, N, NEG_INF);
+  gemm_into<false, true>(M, N, K, A, B, ldb, C, ldc, colmax);
 }
 
 inline Operand rows_of(const float* p, int ld) { return {p, ld, 1}; }
@@ -226,9 +248,17 @@ inline int8_t tile_class(const Problem& p, int r, int t, int j) {
   return p.mask.tile_class[(int64_t(r) * nq + t) * nk + j];
 }
 
+inline bool any_modifier(const Problem& p) { return p.mods.alibi_slopes || p.mods.bias || p.mods.softcap > 0; }
+
+// Whether apply_rule leaves the tile's scores as they are: no modifiers, and no mask on it.
+inline bool rule_keeps_scores(const Tile& tl) {
+  return !any_modifier(tl.p) && tile_class(tl.p, tl.r, tl.t, tl.j) != qkv::PARTIAL;
+}
+
 // Modifiers, then -inf where the mask forbids (PARTIAL tiles only). Score (query rr, key c)
 // lives at S[rr * rs + c * cs]: the forward keeps scores transposed, the backward does not.
 inline void apply_rule(const Tile& tl, float* S, int64_t rs, int64_t cs) {
+  if (rule_keeps_scores(tl)) return;
   const Problem& p = tl.p;
   const auto& mods = p.mods;
   const int n = tl.n(), shift = p.Lk - p.Lq;
@@ -239,8 +269,6 @@ inline void apply_rule(const Tile& tl, float* S, int64_t rs, int64_t cs) {
     int32_t index = p.mask.bitmap_index[(int64_t(tl.r) * nq + tl.t) * nk + tl.j];
     bitmap = p.mask.bitmaps + int64_t(index) * (p.Hq / p.Hkv) * p.block_q * p.block_k;
   }
-  const bool any_mod = mods.alibi_slopes || mods.bias || mods.softcap > 0;
-  if (!any_mod && !partial) return;
   for (int rr = 0; rr < n; ++rr) {
     float* s = S + int64_t(rr) * rs;
     const int h = tl.head(rr), i = tl.query(rr);
@@ -387,10 +415,21 @@ inline Ahead next_keys(const ForwardPlan& plan, const Tile& tj, int split, int c
   return ahead;
 }
 
-// Fold one tile of transposed scores ST (cols x np) into m, l (np) and OT (Dv x np); ST becomes Pᵀ.
-inline void online_softmax_columns(int cols, int np, int Dv, float* ST, float* m, float* l, float* OT, Ahead& ahead) {
+// Oᵀ's columns q .. q + W - 1 (Dv rows of np) times alpha, unless no maximum moved: alpha is
+// then 1 (or 0 on columns with nothing allowed yet, whose output is still 0), and past the
+// first key tiles the maxima rarely move.
+inline void rescale_output(int Dv, int np, int q, Vec m_old, Vec m_new, Vec alpha, float* OT) {
+  if (Vec::all_equal(m_old, m_new)) return;
+  for (int d = 0; d < Dv; ++d) (Vec::load(OT + int64_t(d) * np + q) * alpha).store(OT + int64_t(d) * np + q);
+}
+
+// Fold one tile of transposed scores ST (cols x np) into m, l (np) and OT (Dv x np); ST becomes
+// Pᵀ. The tile's column maxima come in colmax, or, where that is null, from a pass over ST.
+// ahead is a copy, so that it stays in registers across the stores to ST.
+inline void online_softmax_columns(int cols, int np, int Dv, float* ST, const float* colmax, float* m, float* l,
+                                   float* OT, Ahead ahead) {
   for (int q = 0; q < np; q += W) {
-    const Vec mx = column_max(ST, cols, np, q);
+    const Vec mx = colmax ? Vec::load(colmax + q) : column_max(ST, cols, np, q);
     Vec m_old = Vec::load(m + q), m_new = Vec::max(m_old, mx);
     Vec shift = Vec::finite_or_zero(m_new);  // columns with nothing allowed yet shift by 0
     Vec alpha = Vec::exp(m_old - shift), sum = Vec::zero();
@@ -403,7 +442,7 @@ inline void online_softmax_columns(int cols, int np, int Dv, float* ST, float* m
     }
     (Vec::load(l + q) * alpha + sum).store(l + q);
     m_new.store(m + q);
-    for (int d = 0; d < Dv; ++d) (Vec::load(OT + int64_t(d) * np + q) * alpha).store(OT + int64_t(d) * np + q);
+    rescale_output(Dv, np, q, m_old, m_new, alpha, OT);
   }
 }
 
@@ -684,7 +723,7 @@ inline __m512i bf16_pairs(Vec even, Vec odd) {
 // the float path's exp, in PARTS parts, and the rescale factors go to alphas (np).
 template <bool SPLIT>
 inline void softmax_to_bf16_pairs(int cols, int keys_pad, int np, int Dv, const float* ST, float scale, float* m,
-                                  float* l, float* OT, float* alphas, uint16_t* PB, Ahead& ahead) {
+                                  float* l, float* OT, float* alphas, uint16_t* PB, Ahead ahead) {
   const Vec scaled = Vec::set1(scale), scaled_log2 = Vec::set1(scale * LOG2E);
   const int64_t plane = int64_t(keys_pad) * np;
   const __m512i high_words = _mm512_set1_epi32(int(0xffff0000u));
@@ -718,8 +757,7 @@ inline void softmax_to_bf16_pairs(int cols, int keys_pad, int np, int Dv, const 
     (Vec::load(l + q) * alpha + sum).store(l + q);
     m_new.store(m + q);
     if (SPLIT) alpha.store(alphas + q);
-    else
-      for (int d = 0; d < Dv; ++d) (Vec::load(OT + int64_t(d) * np + q) * alpha).store(OT + int64_t(d) * np + q);
+    else rescale_output(Dv, np, q, m_old, m_new, alpha, OT);
   }
 }
 
@@ -911,7 +949,7 @@ void few_queries_tiles(const ForwardPlan& plan, const Tile& tl, int split, Accum
 void float_tiles(const ForwardPlan& plan, const Tile& tl, int split, Accumulator& acc) {
   const Problem& p = plan.f.p;
   const int np = plan.np;
-  Buffer QT(int64_t(p.D) * np), ST(int64_t(p.block_k) * np);
+  Buffer QT(int64_t(p.D) * np), ST(int64_t(p.block_k) * np), colmax(np);
   Buffer k_rows(rows_in_place(p.k, p.dtype) ? 0 : int64_t(p.block_k) * p.D);
   Buffer v_rows(rows_in_place(p.v, p.dtype) ? 0 : int64_t(p.block_k) * p.Dv);
   load_queries_transposed(p, tl, plan.G, np, QT.p);
@@ -920,9 +958,14 @@ void float_tiles(const ForwardPlan& plan, const Tile& tl, int split, Accumulator
     Operand V = key_rows(p.v, p.dtype, tl.b, tl.kv, tj.k0, tj.cols, p.Dv, v_rows.p);
     Ahead ahead = next_keys(plan, tj, split);
     if (rows_in_place(p.v, p.dtype)) ahead.values = rows_span(p.v, p.dtype, tl.b, tl.kv, tj.k0, tj.cols, p.Dv);
-    gemm(tj.cols, np, p.D, K, QT.p, np, ST.p, np, false);  // Sᵀ = K·Qᵀ (keys x queries)
-    apply_rule(tj, ST.p, 1, np);
-    online_softmax_columns(tj.cols, np, p.Dv, ST.p, acc.m, acc.l, acc.O, ahead);
+    if (rule_keeps_scores(tj)) {  // the scores' maxima as they are computed
+      gemm_column_max(tj.cols, np, p.D, K, QT.p, np, ST.p, np, colmax.p);  // Sᵀ = K·Qᵀ (keys x queries)
+      online_softmax_columns(tj.cols, np, p.Dv, ST.p, colmax.p, acc.m, acc.l, acc.O, ahead);
+    } else {
+      gemm(tj.cols, np, p.D, K, QT.p, np, ST.p, np, false);
+      apply_rule(tj, ST.p, 1, np);
+      online_softmax_columns(tj.cols, np, p.Dv, ST.p, nullptr, acc.m, acc.l, acc.O, ahead);
+    }
     gemm(p.Dv, np, tj.cols, transposed(V), ST.p, np, acc.O, np, true);  // Oᵀ += Vᵀ·Pᵀ
   });
 }
@@ -938,7 +981,7 @@ void amx_tiles(const ForwardPlan& plan, const Tile& tl, int split, Accumulator& 
   uint16_t* QB = reinterpret_cast<uint16_t*>(QB_.p);
   uint16_t* PB = reinterpret_cast<uint16_t*>(PB_.p);
   // bfloat16 scores are scaled here, float32 ones come scaled (through the queries)
-  const bool modified = p.mods.alibi_slopes || p.mods.bias || p.mods.softcap > 0, scale_here = parts == 1;
+  const bool modified = any_modifier(p), scale_here = parts == 1;
   amx_configure(), pack_queries(p, tl, plan.G, Dpad, np, parts, QB);
   for_each_key_tile(plan, tl, split, acc, [&](const Tile& tj) {
     const int keys_pad = round_up(tj.cols, 32);

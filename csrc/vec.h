@@ -57,6 +57,7 @@ struct Vec {
   friend Vec operator-(Vec a, Vec b) { return {_mm512_sub_ps(a.v, b.v)}; }
   friend Vec operator+(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
   static Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
+  static bool all_equal(Vec a, Vec b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_EQ_OQ) == 0xffff; }
   // x where x > -inf, else 0 (a row max with nothing allowed yet shifts by 0)
   static Vec finite_or_zero(Vec x) {
     __mmask16 none = _mm512_cmp_ps_mask(x.v, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
@@ -95,6 +96,7 @@ struct Vec {
   friend Vec operator-(Vec a, Vec b) { return {_mm256_sub_ps(a.v, b.v)}; }
   friend Vec operator+(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
   static Vec max(Vec a, Vec b) { return {_mm256_max_ps(a.v, b.v)}; }
+  static bool all_equal(Vec a, Vec b) { return _mm256_movemask_ps(_mm256_cmp_ps(a.v, b.v, _CMP_EQ_OQ)) == 0xff; }
   static Vec finite_or_zero(Vec x) {
     return {_mm256_blendv_ps(x.v, _mm256_setzero_ps(), _mm256_cmp_ps(x.v, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ))};
   }
@@ -143,6 +145,11 @@ struct Vec {  // portable: plain loops the compiler may vectorise for the baseli
   friend Vec operator-(Vec a, Vec b) { for (int i = 0; i < W; ++i) a.v[i] -= b.v[i]; return a; }
   friend Vec operator+(Vec a, Vec b) { for (int i = 0; i < W; ++i) a.v[i] += b.v[i]; return a; }
   static Vec max(Vec a, Vec b) { for (int i = 0; i < W; ++i) a.v[i] = b.v[i] > a.v[i] ? b.v[i] : a.v[i]; return a; }
+  static bool all_equal(Vec a, Vec b) {
+    for (int i = 0; i < W; ++i)
+      if (!(a.v[i] == b.v[i])) return false;
+    return true;
+  }
   static Vec finite_or_zero(Vec x) { for (float& e : x.v) e = e == -INFINITY ? 0.f : e; return x; }
   float reduce_max() const { float m = v[0]; for (float e : v) m = e > m ? e : m; return m; }
   float reduce_add() const { float s = 0; for (float e : v) s += e; return s; }
