@@ -799,23 +799,74 @@ inline bool few_queries_path(const Problem& p, int n) {
   return n <= most && p.k.s3 == 1 && p.v.s3 == 1 && p.D % W == 0 && p.Dv % W == 0;
 }
 
-// S[rr][c] = Q[rr]·K[k0 + c] for the N query rows (Q: N x D, scaled) and the tile's keys.
-// N is a template parameter so the accumulators stay in registers.
-template <int N, class T>
-inline void scores_by_rows(const Problem& p, const Tile& tj, const float* Q, float* S, int ld) {
+// bfloat16 K and V rows are read 2W elements at a time as their even-indexed elements and
+// their odd ones (Vec::load_pairs: one load and two integer operations, where widening them in
+// order takes two loads and four). The query and output rows they meet are held in that "pair
+// order" too: each whole block of 2W elements as its W even ones, then its W odd ones; a last
+// W elements stay in order. float32 rows are read, and held, in order.
+inline void load_two(const float* row, Vec& first, Vec& second) { first = Vec::load(row), second = Vec::load(row + W); }
+inline void load_two(const uint16_t* row, Vec& even, Vec& odd) { Vec::load_pairs(row, even, odd); }
+
+inline void to_pair_order(float* row, int n) {
+  float block[2 * W];
+  for (int d0 = 0; d0 + 2 * W <= n; d0 += 2 * W) {
+    for (int i = 0; i < W; ++i) block[i] = row[d0 + 2 * i], block[W + i] = row[d0 + 2 * i + 1];
+    for (int i = 0; i < 2 * W; ++i) row[d0 + i] = block[i];
+  }
+}
+inline void from_pair_order(float* row, int n) {
+  float block[2 * W];
+  for (int d0 = 0; d0 + 2 * W <= n; d0 += 2 * W) {
+    for (int i = 0; i < W; ++i) block[2 * i] = row[d0 + i], block[2 * i + 1] = row[d0 + W + i];
+    for (int i = 0; i < 2 * W; ++i) row[d0 + i] = block[i];
+  }
+}
+
+// S[rr][c .. c + KEYS] = Q[rr]·K[k0 + c ..] for the N query rows (Q: N x D, scaled, in the
+// rows' order) and KEYS keys from key c of the tile. N and KEYS are template parameters so the
+// accumulators stay in registers; four keys' sums share one reduction.
+template <int N, int KEYS, class T>
+inline void scores_of_keys(const Problem& p, const Tile& tj, int c, const float* Q, float* S, int ld) {
   const T* K = static_cast<const T*>(p.k.data) + tj.b * p.k.s0 + int64_t(tj.kv) * p.k.s1;
   const int64_t ahead = ROWS_AHEAD * p.k.s2;  // rows are streamed once: fetch them ahead
-  for (int c = 0; c < tj.cols; ++c) {
-    const T* key = K + int64_t(tj.k0 + c) * p.k.s2;
-    Vec acc[N];
-    for (int rr = 0; rr < N; ++rr) acc[rr] = Vec::zero();
-    for (int d = 0; d < p.D; d += W) {
-      __builtin_prefetch(key + ahead + d);
-      Vec kd = Vec::load(key + d);
-      for (int rr = 0; rr < N; ++rr) acc[rr] = Vec::fma(kd, Vec::load(Q + rr * p.D + d), acc[rr]);
+  constexpr int lines = 2 * W * int(sizeof(T)) >= 128 ? 2 : 1, line = 64 / int(sizeof(T));  // per 2W elements
+  const T* key[KEYS];
+  for (int u = 0; u < KEYS; ++u) key[u] = K + int64_t(tj.k0 + c + u) * p.k.s2;
+  Vec acc[KEYS][N];
+  for (int u = 0; u < KEYS; ++u)
+    for (int rr = 0; rr < N; ++rr) acc[u][rr] = Vec::zero();
+  int d = 0;
+  for (; d + 2 * W <= p.D; d += 2 * W)
+    for (int u = 0; u < KEYS; ++u) {
+      for (int l = 0; l < lines; ++l) __builtin_prefetch(key[u] + ahead + d + l * line);
+      Vec k0, k1;
+      load_two(key[u] + d, k0, k1);
+      for (int rr = 0; rr < N; ++rr) {
+        acc[u][rr] = Vec::fma(k0, Vec::load(Q + rr * p.D + d), acc[u][rr]);
+        acc[u][rr] = Vec::fma(k1, Vec::load(Q + rr * p.D + d + W), acc[u][rr]);
+      }
     }
-    for (int rr = 0; rr < N; ++rr) S[rr * ld + c] = acc[rr].reduce_add();
+  if (d < p.D)  // a last W
+    for (int u = 0; u < KEYS; ++u) {
+      __builtin_prefetch(key[u] + ahead + d);
+      Vec kd = Vec::load(key[u] + d);
+      for (int rr = 0; rr < N; ++rr) acc[u][rr] = Vec::fma(kd, Vec::load(Q + rr * p.D + d), acc[u][rr]);
+    }
+  for (int rr = 0; rr < N; ++rr) {
+    float* s = S + rr * ld + c;
+    if constexpr (KEYS == 4) Vec::sum4(acc[0][rr], acc[1][rr], acc[2][rr], acc[3][rr], s);
+    else for (int u = 0; u < KEYS; ++u) s[u] = acc[u][rr].reduce_add();
   }
+}
+
+// The N query rows against every key of the tile: four keys at a time where their
+// accumulators fit in registers (N <= 4), the last ones (and all for N > 4) one at a time.
+template <int N, class T>
+inline void scores_by_rows(const Problem& p, const Tile& tj, const float* Q, float* S, int ld) {
+  constexpr int KEYS = N <= 4 ? 4 : 1;
+  int c = 0;
+  for (; c + KEYS <= tj.cols; c += KEYS) scores_of_keys<N, KEYS, T>(p, tj, c, Q, S, ld);
+  for (; c < tj.cols; ++c) scores_of_keys<N, 1, T>(p, tj, c, Q, S, ld);
 }
 
 // All n rows, eight at a time (the tile's K rows stay in L1 for the next eight).
@@ -876,7 +927,8 @@ inline void values_block(const Problem& p, const Tile& tj, int r0, int d0, const
     if (r0 == 0 && d0 == 0)  // the first pass over the tile fetches whole rows ahead
       for (int d = 0; d < p.Dv; d += W) __builtin_prefetch(value + ROWS_AHEAD * p.v.s2 + d);
     Vec vv[NV];
-    for (int v = 0; v < NV; ++v) vv[v] = Vec::load(value + v * W);
+    for (int v = 0; v + 1 < NV; v += 2) load_two(value + v * W, vv[v], vv[v + 1]);
+    if (NV % 2) vv[NV - 1] = Vec::load(value + (NV - 1) * W);
     for (int rr = 0; rr < R; ++rr) {
       Vec pr = Vec::set1(P[(r0 + rr) * ld + c]);
       for (int v = 0; v < NV; ++v) acc[rr][v] = Vec::fma(pr, vv[v], acc[rr][v]);
@@ -886,12 +938,14 @@ inline void values_block(const Problem& p, const Tile& tj, int r0, int d0, const
     for (int v = 0; v < NV; ++v) acc[rr][v].store(O + int64_t(r0 + rr) * p.Dv + d0 + v * W);
 }
 
-// Rows r0 .. r0 + R of O: four vectors at a time, then what is left of Dv one at a time.
+// Rows r0 .. r0 + R of O: four vectors at a time, then two, then a last one (the blocks of
+// pair order).
 template <int R, class T>
 inline void values_for_rows(const Problem& p, const Tile& tj, int r0, const float* P, int ld, float* O) {
   int d0 = 0;
   for (; d0 + 4 * W <= p.Dv; d0 += 4 * W) values_block<R, 4, T>(p, tj, r0, d0, P, ld, O);
-  for (; d0 < p.Dv; d0 += W) values_block<R, 1, T>(p, tj, r0, d0, P, ld, O);
+  if (d0 + 2 * W <= p.Dv) values_block<R, 2, T>(p, tj, r0, d0, P, ld, O), d0 += 2 * W;
+  if (d0 < p.Dv) values_block<R, 1, T>(p, tj, r0, d0, P, ld, O);
 }
 
 // O (n x Dv) += P (n x ld) · V[k0 : k0 + cols], four rows at a time and the last 1-4.
@@ -931,12 +985,15 @@ void few_queries_tiles_of(const ForwardPlan& plan, const Tile& tl, int split, Ac
   for (int g = 0; g < plan.G; ++g)
     load_rows(p.q, p.dtype, tl.b, tl.kv * plan.G + g, tl.q0, tl.rows, tl.rows, p.D, p.D, p.scale,
               Q.p + int64_t(g) * tl.rows * p.D);
+  constexpr bool paired = sizeof(T) == 2;  // bfloat16 rows: Q and O in pair order
+  for (int rr = 0; paired && rr < n; ++rr) to_pair_order(Q.p + int64_t(rr) * p.D, p.D);
   for_each_key_tile(plan, tl, split, acc, [&](const Tile& tj) {  // each reads only what it wrote to S
     scores_by_rows<T>(p, tj, n, Q.p, S.p, ld);
     apply_rule(tj, S.p, ld, 1);
     online_softmax_rows(n, tj.cols, ld, p.Dv, S.p, acc.m, acc.l, acc.O);
     values_by_rows<T>(p, tj, n, S.p, ld, acc.O);
   });
+  for (int rr = 0; paired && rr < n; ++rr) from_pair_order(acc.O + int64_t(rr) * p.Dv, p.Dv);
 }
 
 void few_queries_tiles(const ForwardPlan& plan, const Tile& tl, int split, Accumulator& acc) {
@@ -1113,7 +1170,8 @@ void forward(const Forward& f) {
   Buffer partial(items * plan.splits * plan.partial_stride);
   plan.partial = partial.p;
   qkv::parallel_for(items * plan.splits, threads, forward_item, &plan);
-  qkv::parallel_for(items, threads, merge_item, &plan);
+  // A decoding step's merge is a few rows: waking a helper for it would cost more than it does
+  qkv::parallel_for(items, plan.few_queries ? 1 : threads, merge_item, &plan);
 }
 
 // ---- backward ------------------------------------------------------------------------------

@@ -49,6 +49,13 @@ struct Vec {
     const __m512i words = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return {_mm512_castsi512_ps(_mm512_slli_epi32(words, 16))};
   }
+  // 2W bfloat16 as float32 in two vectors, the even-indexed elements and the odd ones: one
+  // load and two integer operations, against two widening loads.
+  static void load_pairs(const uint16_t* p, Vec& even, Vec& odd) {
+    const __m512i words = _mm512_loadu_si512(p);
+    even = {_mm512_castsi512_ps(_mm512_slli_epi32(words, 16))};
+    odd = {_mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(int(0xffff0000u))))};
+  }
   static Vec set1(float x) { return {_mm512_set1_ps(x)}; }
   static Vec zero() { return {_mm512_setzero_ps()}; }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
@@ -65,6 +72,18 @@ struct Vec {
   }
   float reduce_max() const { return _mm512_reduce_max_ps(v); }
   float reduce_add() const { return _mm512_reduce_add_ps(v); }
+  // out[0:4] = the sums of a, b, c and d: one shuffle tree for the four, 12 operations
+  // against 4 x 9.
+  static void sum4(Vec a, Vec b, Vec c, Vec d, float* out) {
+    // per 128-bit lane: a0+a2, b0+b2, a1+a3, b1+b3 (and c, d alike), then a, b, c, d
+    const __m512d ab = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(a.v, b.v), _mm512_unpackhi_ps(a.v, b.v)));
+    const __m512d cd = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(c.v, d.v), _mm512_unpackhi_ps(c.v, d.v)));
+    const __m512 lanes = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(ab, cd)),
+                                       _mm512_castpd_ps(_mm512_unpackhi_pd(ab, cd)));
+    const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(lanes),
+                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lanes), 1)));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1)));
+  }
   // 2^t for t <= 0 as 2^floor(t) * 2^f, f = t - floor(t) in [0, 1) by one VREDUCEPS, 2^f by
   // `fraction`, and VSCALEFPS, which floors t itself; 0 below the float range (no denormals)
   // and for -inf, NaN stays NaN.
@@ -87,6 +106,11 @@ struct Vec {
   static Vec load(const uint16_t* p) {  // bfloat16: each the high half of a float32
     const __m256i words = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return {_mm256_castsi256_ps(_mm256_slli_epi32(words, 16))};
+  }
+  static void load_pairs(const uint16_t* p, Vec& even, Vec& odd) {
+    const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    even = {_mm256_castsi256_ps(_mm256_slli_epi32(words, 16))};
+    odd = {_mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32(int(0xffff0000u))))};
   }
   static Vec set1(float x) { return {_mm256_set1_ps(x)}; }
   static Vec zero() { return {_mm256_setzero_ps()}; }
@@ -111,6 +135,13 @@ struct Vec {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
     return _mm_cvtss_f32(s);
+  }
+  static void sum4(Vec a, Vec b, Vec c, Vec d, float* out) {  // as the AVX-512 one, over two lanes
+    const __m256d ab = _mm256_castps_pd(_mm256_add_ps(_mm256_unpacklo_ps(a.v, b.v), _mm256_unpackhi_ps(a.v, b.v)));
+    const __m256d cd = _mm256_castps_pd(_mm256_add_ps(_mm256_unpacklo_ps(c.v, d.v), _mm256_unpackhi_ps(c.v, d.v)));
+    const __m256 lanes = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(ab, cd)),
+                                       _mm256_castpd_ps(_mm256_unpackhi_pd(ab, cd)));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps(lanes, 1)));
   }
   static Vec exp(Vec x) {
     const __m256 t = _mm256_mul_ps(x.v, _mm256_set1_ps(LOG2E));
@@ -137,6 +168,12 @@ struct Vec {  // portable: plain loops the compiler may vectorise for the baseli
     }
     return r;
   }
+  static void load_pairs(const uint16_t* p, Vec& even, Vec& odd) {
+    for (int i = 0; i < W; ++i) {
+      const uint32_t e = uint32_t(p[2 * i]) << 16, o = uint32_t(p[2 * i + 1]) << 16;
+      std::memcpy(&even.v[i], &e, 4), std::memcpy(&odd.v[i], &o, 4);
+    }
+  }
   static Vec set1(float x) { Vec r; for (float& e : r.v) e = x; return r; }
   static Vec zero() { return set1(0.f); }
   void store(float* p) const { std::memcpy(p, v, sizeof v); }
@@ -153,6 +190,9 @@ struct Vec {  // portable: plain loops the compiler may vectorise for the baseli
   static Vec finite_or_zero(Vec x) { for (float& e : x.v) e = e == -INFINITY ? 0.f : e; return x; }
   float reduce_max() const { float m = v[0]; for (float e : v) m = e > m ? e : m; return m; }
   float reduce_add() const { float s = 0; for (float e : v) s += e; return s; }
+  static void sum4(Vec a, Vec b, Vec c, Vec d, float* out) {
+    out[0] = a.reduce_add(), out[1] = b.reduce_add(), out[2] = c.reduce_add(), out[3] = d.reduce_add();
+  }
   static Vec exp(Vec x) { for (float& e : x.v) e = expf(e); return x; }
 };
 #endif

@@ -161,24 +161,34 @@ def test_numpy_arrays_and_strided_tensors(rng):
 
 
 SCRIPT = """
-import numpy as np, qkv
+import numpy as np, torch, qkv
 from qkv.backends import native
 rng = np.random.default_rng(0)
 q, k, v = (rng.standard_normal((1, 2, n, 48)).astype(np.float32) for n in (37, 300, 300))
 got = qkv.attention(q, k, v, qkv.window(20), backend="native")
 want = qkv.attention(*(x.astype(np.float64) for x in (q, k, v)), qkv.window(20), backend="reference")
-print(native._native.isa(), float(np.abs(got - want).max()))
+errors = [np.abs(got - want).max()]
+# decoding steps (6 and 2 stacked queries over one KV head), float32 and bfloat16
+for hq in (6, 2):
+    q, k, v = (rng.standard_normal(s) for s in ((1, hq, 1, 48), (1, 1, 300, 48), (1, 1, 300, 80)))
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        q_, k_, v_ = (torch.from_numpy(x).to(dtype) for x in (q, k, v))
+        got = qkv.attention(q_, k_, v_, backend="native").double()
+        want = qkv.attention(*(x.double() for x in (q_, k_, v_)), backend="reference")
+        errors.append((got - want).abs().max().item() / tolerance * 1e-5)
+print(native._native.isa(), float(max(errors)))
 """
 
 
 @pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
 def test_every_instruction_set_variant(isa):
+    """A masked forward and decoding steps (both dtypes) on each instruction set's kernel."""
     result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120,
                             env={**os.environ, "QKV_ISA": isa})
     assert result.returncode == 0, result.stderr
     chosen, err = result.stdout.split()
     assert chosen == isa
-    assert float(err) < 1e-5
+    assert float(err) < 1e-5  # bfloat16 errors scaled to the float32 tolerance
 
 
 def test_qkv_works_and_says_why_without_the_native_module():
@@ -262,7 +272,8 @@ def test_key_splits_merge_into_their_own_query_tile(rng, mask):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("mask", [None, "padding", "window", "alibi"])
 @pytest.mark.parametrize("lq,hq,hkv", [(1, 32, 8), (2, 4, 1), (1, 3, 3), (3, 2, 1), (3, 1, 1), (5, 2, 1), (4, 8, 1)])
-@pytest.mark.parametrize("d,dv", [(64, 128), (48, 80)])  # 80: four vectors of 16, then one
+# with vectors of 16: 48 = a pair block of 32 and a last 16; 80 = four vectors and one; 32: two
+@pytest.mark.parametrize("d,dv", [(64, 128), (48, 80), (96, 32)])
 def test_decoding_path(rng, mask, lq, hq, hkv, dtype, d, dv):
     """Few stacked queries (the decoding path, key splits merged by lse, bfloat16 rows widened
     as they are read; bfloat16 up to 32 stacked queries, float32 up to 8, more on the tiles)
