@@ -23,9 +23,10 @@ from .base import (Backend, Capabilities, autograd_attention, inline_score_mod_r
 try:
     from .. import _native
 except ImportError as error:  # not built (no compiler) or not importable here
-    _native, _import_error = None, error
+    _native, _import_error, _ON_AMX = None, error, False
 else:
     _import_error = None
+    _ON_AMX = _native.isa() == "amx"  # chosen once, when the kernel loads
 
 BLOCK_Q, BLOCK_K = 64, 128
 # Unmasked bfloat16 forwards on AMX tiles: key tiles of 256 halve the loads and stores of the
@@ -72,9 +73,7 @@ class NativeBackend(Backend):
     def on_amx(self, inp):
         """Whether this call's forward products run on AMX tiles: bfloat16 always where AMX
         runs, float32 when float32_on_amx is on, except on the decoding path."""
-        if _native is None or _native.isa() != "amx":
-            return False
-        return (inp.dtype == "bfloat16" or self.float32_on_amx) and not _few_queries(inp)
+        return _ON_AMX and (inp.dtype == "bfloat16" or self.float32_on_amx) and not _few_queries(inp)
 
     def block_sizes(self, inp):
         """The forward's (block_q, block_k); the backward always runs on BLOCK_Q x BLOCK_K."""
