@@ -10,6 +10,7 @@ modifiers the kernel applies inline (ALiBi, a bias, softcap).
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy as np
 
@@ -127,7 +128,9 @@ def _few_queries(inp) -> bool:
     multiples of 16."""
     if inp.group * min(inp.Lq, BLOCK_Q) > FEW_QUERIES[inp.dtype] or inp.D % 16 or inp.Dv % 16:
         return False
-    return all(x.stride(-1) == 1 if _arrays.is_torch(x) else x.strides[-1] == x.itemsize for x in (inp.k, inp.v))
+    if inp.kind == "torch":
+        return inp.k.stride(-1) == 1 and inp.v.stride(-1) == 1
+    return inp.k.strides[-1] == inp.k.itemsize and inp.v.strides[-1] == inp.v.itemsize
 
 
 def _for_kernel(*arrays):
@@ -136,9 +139,7 @@ def _for_kernel(*arrays):
     tensor in Python: a third of a short decoding step)."""
     if not _arrays.is_torch(arrays[0]):
         return arrays
-    from torch.utils.dlpack import to_dlpack
-
-    return tuple(to_dlpack(x) for x in arrays)
+    return tuple(map(sys.modules["torch"].utils.dlpack.to_dlpack, arrays))  # torch is loaded: it made them
 
 
 def _empty(kind, dtype, shape):
