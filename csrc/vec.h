@@ -72,8 +72,8 @@ struct Vec {
   }
   float reduce_max() const { return _mm512_reduce_max_ps(v); }
   float reduce_add() const { return _mm512_reduce_add_ps(v); }
-  // out[0:4] = the sums of a, b, c and d: one shuffle tree for the four, 12 operations
-  // against 4 x 9.
+  // out[0:4] = the sums of a, b, c and d: one shuffle tree for the four, 13 operations
+  // against about 9 for each sum alone.
   static void sum4(Vec a, Vec b, Vec c, Vec d, float* out) {
     // per 128-bit lane: a0+a2, b0+b2, a1+a3, b1+b3 (and c, d alike), then a, b, c, d
     const __m512d ab = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(a.v, b.v), _mm512_unpackhi_ps(a.v, b.v)));
