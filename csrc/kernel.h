@@ -924,8 +924,8 @@ inline void values_block(const Problem& p, const Tile& tj, int r0, int d0, const
     for (int v = 0; v < NV; ++v) acc[rr][v] = Vec::load(O + int64_t(r0 + rr) * p.Dv + d0 + v * W);
   for (int c = 0; c < tj.cols; ++c) {
     const T* value = V + int64_t(tj.k0 + c) * p.v.s2 + d0;
-    if (r0 == 0 && d0 == 0)  // the first pass over the tile fetches whole rows ahead
-      for (int d = 0; d < p.Dv; d += W) __builtin_prefetch(value + ROWS_AHEAD * p.v.s2 + d);
+    if (r0 == 0 && d0 == 0)  // the first pass over the tile fetches whole rows ahead, a line at a time
+      for (int d = 0; d < p.Dv; d += 64 / int(sizeof(T))) __builtin_prefetch(value + ROWS_AHEAD * p.v.s2 + d);
     Vec vv[NV];
     for (int v = 0; v + 1 < NV; v += 2) load_two(value + v * W, vv[v], vv[v + 1]);
     if (NV % 2) vv[NV - 1] = Vec::load(value + (NV - 1) * W);
