@@ -793,6 +793,9 @@ inline void scale_tile(float* ST, int cols, int np, float scale) {
 constexpr int FEW_QUERIES = 8, FEW_QUERIES_BF16 = 32;
 // K and V rows are prefetched this many keys ahead (16 and 32 measured no different).
 constexpr int ROWS_AHEAD = 8;
+// Elements of a row of T in one 64-byte cache line: prefetches go a line at a time.
+template <class T>
+constexpr int PER_LINE = 64 / int(sizeof(T));
 
 inline bool few_queries_path(const Problem& p, int n) {
   const int most = p.dtype == qkv::BF16 ? FEW_QUERIES_BF16 : p.dtype == qkv::F32 ? FEW_QUERIES : 0;
@@ -829,7 +832,7 @@ template <int N, int KEYS, class T>
 inline void scores_of_keys(const Problem& p, const Tile& tj, int c, const float* Q, float* S, int ld) {
   const T* K = static_cast<const T*>(p.k.data) + tj.b * p.k.s0 + int64_t(tj.kv) * p.k.s1;
   const int64_t ahead = ROWS_AHEAD * p.k.s2;  // rows are streamed once: fetch them ahead
-  constexpr int lines = 2 * W * int(sizeof(T)) >= 128 ? 2 : 1, line = 64 / int(sizeof(T));  // per 2W elements
+  constexpr int lines = 2 * W > PER_LINE<T> ? 2 : 1;  // cache lines per 2W elements
   const T* key[KEYS];
   for (int u = 0; u < KEYS; ++u) key[u] = K + int64_t(tj.k0 + c + u) * p.k.s2;
   Vec acc[KEYS][N];
@@ -838,7 +841,7 @@ inline void scores_of_keys(const Problem& p, const Tile& tj, int c, const float*
   int d = 0;
   for (; d + 2 * W <= p.D; d += 2 * W)
     for (int u = 0; u < KEYS; ++u) {
-      for (int l = 0; l < lines; ++l) __builtin_prefetch(key[u] + ahead + d + l * line);
+      for (int l = 0; l < lines; ++l) __builtin_prefetch(key[u] + ahead + d + l * PER_LINE<T>);
       Vec k0, k1;
       load_two(key[u] + d, k0, k1);
       for (int rr = 0; rr < N; ++rr) {
@@ -925,7 +928,7 @@ inline void values_block(const Problem& p, const Tile& tj, int r0, int d0, const
   for (int c = 0; c < tj.cols; ++c) {
     const T* value = V + int64_t(tj.k0 + c) * p.v.s2 + d0;
     if (r0 == 0 && d0 == 0)  // the first pass over the tile fetches whole rows ahead, a line at a time
-      for (int d = 0; d < p.Dv; d += 64 / int(sizeof(T))) __builtin_prefetch(value + ROWS_AHEAD * p.v.s2 + d);
+      for (int d = 0; d < p.Dv; d += PER_LINE<T>) __builtin_prefetch(value + ROWS_AHEAD * p.v.s2 + d);
     Vec vv[NV];
     for (int v = 0; v + 1 < NV; v += 2) load_two(value + v * W, vv[v], vv[v + 1]);
     if (NV % 2) vv[NV - 1] = Vec::load(value + (NV - 1) * W);
