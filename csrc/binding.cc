@@ -146,6 +146,9 @@ void run_backward(const Backward& b) {
 NB_MODULE(_native, m) {
   m.doc() = "qkv's native CPU attention kernel";
   m.def("isa", &isa_name, "The instruction set the kernel runs with here.");
+  m.def("threading", &qkv::threading_name,
+        "Whose threads the kernel runs on here: 'openmp' (the process's OpenMP threads, which torch's "
+        "own operations share) or 'own pool'.");
   m.def(
       "forward",
       [](Any q, Any k, Any v, Any out, Flat<float> lse, float scale, int block_q, int block_k, int threads,

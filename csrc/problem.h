@@ -76,7 +76,10 @@ QKV_DECLARE_ISA(isa_avx512)
 QKV_DECLARE_ISA(isa_avx2)
 QKV_DECLARE_ISA(isa_generic)
 
-// A persistent pool: calls fn(ctx, i) for i in [0, n) on up to `threads` threads (caller included).
+// Calls fn(ctx, i) for i in [0, n) on up to `threads` threads (caller included): OpenMP's,
+// where the kernel is built with it, else a persistent pool of its own (threads.cc).
 void parallel_for(int64_t n, int threads, void (*fn)(void*, int64_t), void* ctx);
+// "openmp" or "own pool": whose threads parallel_for runs on in this process.
+const char* threading_name();
 
 }  // namespace qkv

@@ -3,11 +3,24 @@
 // A job hands out one ticket per helper; once the calling thread has claimed the last item
 // it takes back the tickets no helper has taken, so it waits only for helpers at work, not
 // for ones still waking up (25-30 µs here), which then go back to sleep.
+//
+// Where the kernel is built with OpenMP, it runs its items on OpenMP's threads instead. A
+// process holds one libgomp, which torch's own operations run on too, and its threads spin a
+// while after each operation: on 2 CPUs a pool of our own then competed with them for the
+// second CPU. Sharing them, a decoding step in a loop of torch matrix products (bfloat16, 8
+// heads of 64, 1001 keys) took 60-69 µs in the kernel, 131-146 through qkv.attention, where
+// it had taken 170-250 through qkv.attention. A child forked from a process that started
+// OpenMP's threads would wait on threads it does not have (torch hangs there): it uses the
+// pool.
 #include <atomic>
 #include <condition_variable>
 #include <mutex>
 #include <thread>
 #include <vector>
+
+#if defined(_OPENMP)
+#include <pthread.h>
+#endif
 
 #include "problem.h"
 
@@ -80,6 +93,17 @@ class Pool {
   bool stop_ = false;
 };
 
+#if defined(_OPENMP)
+std::atomic<bool> in_forked_child{false};
+const int at_fork_registered = pthread_atfork(nullptr, nullptr, [] { in_forked_child = true; });
+
+void openmp_for(int64_t n, int threads, void (*fn)(void*, int64_t), void* ctx) {
+  std::atomic<int64_t> next{0};
+#pragma omp parallel num_threads(static_cast<int>(std::min<int64_t>(threads, n)))
+  for (int64_t i; (i = next.fetch_add(1)) < n;) fn(ctx, i);
+}
+#endif
+
 }  // namespace
 
 void parallel_for(int64_t n, int threads, void (*fn)(void*, int64_t), void* ctx) {
@@ -88,8 +112,18 @@ void parallel_for(int64_t n, int threads, void (*fn)(void*, int64_t), void* ctx)
     for (int64_t i = 0; i < n; ++i) fn(ctx, i);
     return;
   }
+#if defined(_OPENMP)
+  if (!in_forked_child) return openmp_for(n, threads, fn, ctx);
+#endif
   static Pool* pool = new Pool();  // never destroyed: worker threads must not be joined at exit
   pool->run(n, threads, fn, ctx);
+}
+
+const char* threading_name() {
+#if defined(_OPENMP)
+  if (!in_forked_child) return "openmp";
+#endif
+  return "own pool";
 }
 
 }  // namespace qkv

@@ -191,6 +191,66 @@ def test_every_instruction_set_variant(isa):
     assert float(err) < 1e-5  # bfloat16 errors scaled to the float32 tolerance
 
 
+def test_info_says_how_the_kernel_runs(capsys):
+    from qkv import _native, cli
+
+    assert cli.main(["info"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.split()[:1] == ["native"])
+    assert line.split(None, 1)[1] == f"available: {_native.isa()} instructions, {native.num_threads} threads " \
+                                     f"({_native.threading()})"
+    assert _native.threading() in ("openmp", "own pool")
+
+
+def _run_script(code, timeout=120):
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+THREADS_OF = """
+import os, numpy as np
+from qkv import dispatch
+native = dispatch.REGISTRY["native"]
+native.num_threads = 2
+x = np.random.default_rng(0).standard_normal((1, 8, 512, 64)).astype(np.float32)  # 2^28 multiply-adds
+threads = lambda: len(os.listdir("/proc/self/task"))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+@pytest.mark.parametrize("first", ["torch", "qkv"])
+def test_kernel_runs_on_torch_threads(first):
+    """Built with OpenMP, the kernel runs on the threads torch's own operations run on (one
+    libgomp per process, whichever imports first), not on a pool of its own that would compete
+    with them for the CPUs: a call adds no thread."""
+    from qkv import _native
+
+    if _native.threading() != "openmp":
+        pytest.skip("the kernel is built without OpenMP")
+    imports = "import torch, qkv" if first == "torch" else "import qkv, torch"
+    out = _run_script(f"{imports}\n{THREADS_OF}\ntorch.set_num_threads(2)\n"
+                      "torch.randn(512, 512) @ torch.randn(512, 512)\nbefore = threads()\n"
+                      "qkv.attention(x, x, x, backend='native')\n"
+                      "print(before, threads(), qkv._native.threading())")
+    before, after, threading = out.split()
+    assert int(before) >= 2 and after == before and threading == "openmp"
+
+
+def test_forked_child_runs_the_kernel():
+    """A child forked after the parent ran the kernel on two threads gets the same bits (an
+    OpenMP child would wait on the parent's threads, which it does not have)."""
+    out = _run_script(f"""import qkv, signal, sys\n{THREADS_OF}
+want = qkv.attention(x, x, x, backend="native")
+pid = os.fork()
+if pid == 0:
+    signal.alarm(60)  # a hung child ends, failing the test
+    got = qkv.attention(x, x, x, backend="native")
+    os._exit(0 if np.array_equal(got, want) and qkv._native.threading() == "own pool" else 3)
+print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+""")
+    assert out.split() == ["0"]
+
+
 def test_qkv_works_and_says_why_without_the_native_module():
     code = ("import sys; sys.modules['qkv._native'] = None\n"
             "import numpy as np, qkv\nfrom qkv import cli\n"

@@ -291,6 +291,7 @@ def machine() -> dict:
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__, "qkv": __version__,
         "native_isa": native._native.isa() if native._native else "not built",
+        "native_threading": native._native.threading() if native._native else None,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "cuda": torch.version.cuda,
         "triton": _version_of("triton"),
@@ -352,7 +353,8 @@ def run(args) -> int:
     info = machine()
     if args.device == "cuda":
         console.print(f"GPU: {info['gpu']} (CUDA {info['cuda']}), triton {info['triton']}; host {info['cpu']}")
-    console.print(f"{info['cpu']} ({info['machine']}), {info['threads']} threads, native kernel: {info['native_isa']}; "
+    console.print(f"{info['cpu']} ({info['machine']}), {info['threads']} threads, native kernel: {info['native_isa']}"
+                  f"{' on ' + info['native_threading'] + ' threads' if info['native_threading'] else ''}; "
                   f"qkv {info['qkv']}, torch {info['torch']}, numpy {info['numpy']}, python {info['python']}")
     results = []
     with Progress(console=console, transient=True) as bar:

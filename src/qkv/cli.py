@@ -21,7 +21,8 @@ def cmd_info(args) -> int:
     print("backends (automatic choice in this order):")
     for name, backend in dispatch.REGISTRY.items():
         missing = backend.missing()
-        state = "available" if missing is None else f"unavailable: {missing}"
+        detail = backend.detail()
+        state = f"unavailable: {missing}" if missing else "available" + (f": {detail}" if detail else "")
         caps = backend.caps
         auto = "" if backend.ever_automatic else " [never automatic]"
         print(f"  {name:<10} {state}{auto}")

@@ -33,6 +33,10 @@ class Backend:
         """Why this backend cannot run at all here (a library is missing), or None."""
         return None
 
+    def detail(self) -> str | None:
+        """How it runs here, for `qkv info` (an instruction set, threads), or None."""
+        return None
+
     def unsupported(self, inp) -> list[str]:
         """Reasons this backend cannot run this call; empty means it can."""
         caps, reasons = self.caps, []

@@ -68,6 +68,11 @@ class NativeBackend(Backend):
             return f"the native kernel is not built or cannot load ({_import_error})"
         return None
 
+    def detail(self):
+        if _native is None:
+            return None
+        return f"{_native.isa()} instructions, {self.num_threads} threads ({_native.threading()})"
+
     def extra_reasons(self, inp):
         return inline_score_mod_reasons(inp, (Alibi, Bias, Softcap), "the native kernel")
 
