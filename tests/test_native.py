@@ -180,13 +180,17 @@ print(native._native.isa(), float(max(errors)))
 """
 
 
+def _run_script(code, env=None):
+    """stdout of `python -c code`, which must succeed."""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
 @pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
 def test_every_instruction_set_variant(isa):
     """A masked forward and decoding steps (both dtypes) on each instruction set's kernel."""
-    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "QKV_ISA": isa})
-    assert result.returncode == 0, result.stderr
-    chosen, err = result.stdout.split()
+    chosen, err = _run_script(SCRIPT, env={**os.environ, "QKV_ISA": isa}).split()
     assert chosen == isa
     assert float(err) < 1e-5  # bfloat16 errors scaled to the float32 tolerance
 
@@ -199,12 +203,6 @@ def test_info_says_how_the_kernel_runs(capsys):
     assert line.split(None, 1)[1] == f"available: {_native.isa()} instructions, {native.num_threads} threads " \
                                      f"({_native.threading()})"
     assert _native.threading() in ("openmp", "own pool")
-
-
-def _run_script(code, timeout=120):
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result.stdout
 
 
 THREADS_OF = """
@@ -239,7 +237,7 @@ def test_kernel_runs_on_torch_threads(first):
 def test_forked_child_runs_the_kernel():
     """A child forked after the parent ran the kernel on two threads gets the same bits (an
     OpenMP child would wait on the parent's threads, which it does not have)."""
-    out = _run_script(f"""import qkv, signal, sys\n{THREADS_OF}
+    out = _run_script(f"""import qkv, signal\n{THREADS_OF}
 want = qkv.attention(x, x, x, backend="native")
 pid = os.fork()
 if pid == 0:
@@ -256,10 +254,9 @@ def test_qkv_works_and_says_why_without_the_native_module():
             "import numpy as np, qkv\nfrom qkv import cli\n"
             "q = np.ones((1, 4, 8), np.float32)\n"
             "print(qkv.explain(q, q, q).backend)\ncli.main(['info'])")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines()[0] == "numpy"
-    assert "native     unavailable: the native kernel is not built or cannot load" in result.stdout
+    out = _run_script(code)
+    assert out.splitlines()[0] == "numpy"
+    assert "native     unavailable: the native kernel is not built or cannot load" in out
 
 
 @st.composite
