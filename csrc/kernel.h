@@ -481,7 +481,7 @@ inline int threads_for(const Problem& p, double min_multiply_adds) {
 // Decoding (few_queries_tiles) costs what it reads of K and V, not its multiply-adds (float32
 // with one query: four bytes per multiply-add). On OpenMP's threads, in a loop of decoding steps
 // between torch operations (bfloat16, 8 query heads of 64 over 2 or 8 KV heads, paired calls),
-// two threads ran 1.12-1.13x as fast as one at 64-128 KiB of K and V, 1.23-1.34x at 128-256,
+// two threads ran 1.12-1.13x as fast as one at 64-128 KiB of K and V, 1.23-1.44x at 128-256,
 // 1.43-1.47x at 384-768; with 1 ms between steps 1.26-1.43x from 256 KiB on. After 20 ms idle,
 // when every call is slow (120-260 µs) and the threads must be woken, 0.65-0.70x up to 128 KiB,
 // 0.80-0.94x at 256-768.
