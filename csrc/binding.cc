@@ -151,23 +151,24 @@ NB_MODULE(_native, m) {
         "own operations share) or 'own pool'.");
   m.def(
       "forward",
-      [](Any q, Any k, Any v, Any out, Flat<float> lse, float scale, int block_q, int block_k, int threads,
+      [](Any q, Any k, Any v, Any out, std::optional<Flat<float>> lse, float scale, int block_q, int block_k, int threads,
          std::optional<Flat<int8_t>> tile_class, std::optional<Flat<int32_t>> lo, std::optional<Flat<int32_t>> hi,
          std::optional<Flat<int32_t>> bitmap_index, std::optional<Flat<uint8_t>> bitmaps,
          std::optional<Flat<float>> alibi, float softcap, std::optional<Any> bias,
          std::optional<Flat<int64_t>> tile_counts, bool float32_on_amx) {
         Extras x{tile_class, lo, hi, bitmap_index, bitmaps, alibi, softcap, bias};
-        Forward f{make_problem(q, k, v, scale, block_q, block_k, threads, x), out.data(), lse.data(),
+        Forward f{make_problem(q, k, v, scale, block_q, block_k, threads, x), out.data(), lse ? lse->data() : nullptr,
                   tile_counts ? tile_counts->data() : nullptr, float32_on_amx};
         nb::gil_scoped_release unlocked;
         run_forward(f);
       },
-      nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::arg("scale"),
+      nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse").none(), nb::arg("scale"),
       nb::arg("block_q"), nb::arg("block_k"), nb::arg("threads"), nb::arg("tile_class").none(),
       nb::arg("lo").none(), nb::arg("hi").none(), nb::arg("bitmap_index").none(), nb::arg("bitmaps").none(),
       nb::arg("alibi").none(), nb::arg("softcap"), nb::arg("bias").none(), nb::arg("tile_counts").none() = nb::none(),
       nb::arg("float32_on_amx") = false,
-      "out (B, Hq, Lq, Dv) and lse (B, Hq, Lq) float32 must be contiguous and are written in place. With "
+      "out (B, Hq, Lq, Dv) and lse (B, Hq, Lq) float32 must be contiguous and are written in place (lse=None: "
+      "not written). With "
       "float32_on_amx, where AMX runs, float32 products run on it as sums of bfloat16 parts (else on the FMA units).");
   m.def(
       "backward",

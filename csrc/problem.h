@@ -50,7 +50,7 @@ struct Problem {
 struct Forward {
   Problem p;
   void* out;   // (B, Hq, Lq, Dv) contiguous, dtype p.dtype
-  float* lse;  // (B, Hq, Lq) contiguous
+  float* lse;  // (B, Hq, Lq) contiguous, or null: not wanted
   int64_t* tile_counts = nullptr;  // optional: [computed, masked] (row, query tile, key tile) units
   bool float32_on_amx = false;     // where AMX runs: float32 products as sums of bfloat16 parts
 };

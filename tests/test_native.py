@@ -130,6 +130,21 @@ def test_results_do_not_depend_on_earlier_calls():
         assert all(torch.equal(a, b) for a, b in zip(forward[c], backward[c])), c
 
 
+@pytest.mark.parametrize("shape", ["decode", "odd"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_output_without_lse_is_the_same(shape, dtype):
+    """A call that does not ask for lse leaves it out of the kernel (lse=None) and gets the
+    same output bits; the backend returns None for it."""
+    q, k, v = _inputs(SHAPES[shape], dtype)
+    out, lse = qkv.attention(q, k, v, qkv.causal(), backend="native", return_lse=True)
+    assert torch.equal(qkv.attention(q, k, v, qkv.causal(), backend="native"), out)
+    inp = inputs.prepare(q, k, v, qkv.causal())
+    inp.needs_lse = False
+    alone, no_lse = native.forward(inp)
+    assert no_lse is None and torch.equal(alone, out)
+    check_backend("native", (q, k, v), tuple(to64(x) for x in (q, k, v)), inputs.dtype_name(q), mask=qkv.causal())
+
+
 @pytest.mark.parametrize("shape", ["one_head_per_kv", "square"])
 @pytest.mark.parametrize("mask", [None, "causal"])
 def test_tile_sizes_by_call(shape, mask):

@@ -45,6 +45,7 @@ def attention(q, k, v, mask=None, *, score_mod=None, scale=None, dropout_p=0.0, 
     inp = inputs.prepare(q, k, v, mask, score_mod=score_mod, scale=scale, dropout_p=dropout_p, seed=seed)
     if inp.dropout_p > 0 and inp.seed is None:
         inp.seed = _draw_seed(inp.kind)
+    inp.needs_lse = return_lse
     chosen = dispatch.choose(inp, backend).backend
     out, lse = inp.to_caller(*chosen.forward(inp))
     return (out, lse) if return_lse else out

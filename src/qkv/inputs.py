@@ -180,25 +180,25 @@ class AttentionInputs:
     dropout_p: float = 0.0
     seed: int | None = None
     needs_grad: bool = False
-    geom: object = field(default=None)
+    needs_lse: bool = True  # False: the caller drops lse, so a backend may return None for it
     dropped_mask: object = None  # a mask given but not applied: it forbids nothing at these sizes
+    _geom: object = field(default=None, init=False, repr=False)
+
+    def __post_init__(self):
+        # The sizes, read once: a torch tensor's .shape costs about 0.3 µs a read, and the
+        # dispatch and the backends read them a dozen times a call.
+        self.B, self.Hq, self.Lq, self.D = self.q.shape
+        _, self.Hkv, self.Lk, _ = self.k.shape
+        self.Dv = self.v.shape[3]
+        self.group = self.Hq // self.Hkv if self.Hkv else 1
 
     @property
-    def B(self): return self.q.shape[0]
-    @property
-    def Hq(self): return self.q.shape[1]
-    @property
-    def Hkv(self): return self.k.shape[1]
-    @property
-    def Lq(self): return self.q.shape[2]
-    @property
-    def Lk(self): return self.k.shape[2]
-    @property
-    def D(self): return self.q.shape[3]
-    @property
-    def Dv(self): return self.v.shape[3]
-    @property
-    def group(self): return self.Hq // self.Hkv if self.Hkv else 1
+    def geom(self):
+        """The sizes masks and score modifiers are evaluated for (built when first asked for:
+        most calls have neither)."""
+        if self._geom is None:
+            self._geom = masks.Geometry(self.B, self.Hq, self.Lq, self.Lk, self.batch_shape)
+        return self._geom
 
     def output_shape(self, last: int) -> tuple:
         """The caller's shape for a result whose last dim is `last` (Dv, or Lk for weights)."""
@@ -208,11 +208,12 @@ class AttentionInputs:
         return self.batch_shape + self.head_shape + (self.Lq,)
 
     def to_caller(self, out, lse):
-        """A backend's (out, lse), (B, Hq, Lq, Dv) and (B, Hq, Lq), in the caller's shapes."""
+        """A backend's (out, lse), (B, Hq, Lq, Dv) and (B, Hq, Lq) or None, in the caller's shapes."""
         if len(self.batch_shape) == 1 and self.head_shape:  # 4-D in: the shapes already are the caller's
             return out, lse
         shapes = self.output_shape(self.Dv), self.lse_shape()
-        return tuple(x if tuple(x.shape) == shape else x.reshape(shape) for x, shape in zip((out, lse), shapes))
+        return tuple(x if x is None or tuple(x.shape) == shape else x.reshape(shape)
+                     for x, shape in zip((out, lse), shapes))
 
 
 def _check_tensor(name, x, kind):
@@ -233,11 +234,13 @@ def check_qkv(q, k, v, names=("q", "k", "v")):
     """Validate q, k, v and return their kind (`names` are the caller's argument names)."""
     nq, nk, nv = names
     kind, q_dtype = _check_tensor(nq, q, None)
-    k_dtype, v_dtype = _check_tensor(nk, k, kind)[1], _check_tensor(nv, v, kind)[1]
-    if not q_dtype == k_dtype == v_dtype:
-        dtypes = {nq: q_dtype, nk: k_dtype, nv: v_dtype}
-        raise TypeError(f"q, k and v must share one dtype (no silent casts); got {dtypes}")
-    if kind == "torch" and not q.device == k.device == v.device:
+    # the common case in one test: k and v then pass every check q passed
+    if not (type(q) is type(k) is type(v) and q.dtype == k.dtype == v.dtype and q.ndim == k.ndim == v.ndim):
+        k_dtype, v_dtype = _check_tensor(nk, k, kind)[1], _check_tensor(nv, v, kind)[1]
+        if not q_dtype == k_dtype == v_dtype:
+            dtypes = {nq: q_dtype, nk: k_dtype, nv: v_dtype}
+            raise TypeError(f"q, k and v must share one dtype (no silent casts); got {dtypes}")
+    if kind == "torch" and not (q.is_cpu and k.is_cpu and v.is_cpu) and not q.device == k.device == v.device:
         raise ValueError(f"q, k and v must be on one device; got {q.device}, {k.device}, {v.device}")
     qs, ks, vs = tuple(q.shape), tuple(k.shape), tuple(v.shape)
     if not (q.ndim == k.ndim == v.ndim):
@@ -352,19 +355,17 @@ def prepare(q, k, v, mask=None, *, score_mod=None, scale=None, dropout_p=0.0, se
     mods = bias_mods + as_score_mods(score_mod)
     batch_shape = tuple(q.shape[:-3])
     head_shape = tuple(q.shape[-3:-2]) if q.ndim >= 3 else ()
-    q4, k4, v4 = _to4d(q), _to4d(k), _to4d(v)
-    geom = masks.Geometry(q4.shape[0], q4.shape[1], q4.shape[2], k4.shape[2], batch_shape)
-    dropped_mask = None
-    if mask_obj is not None:
-        mask_obj.check(geom)
-        if mask_obj.allows_every_pair(geom):  # causal over a decoding step's one query per row
-            mask_obj, dropped_mask = None, mask_obj
-    for m in mods:
-        m.check(geom)
     needs_grad = kind == "torch" and (q.requires_grad or k.requires_grad or v.requires_grad)
-    device = str(q.device) if kind == "torch" else "cpu"
-    return AttentionInputs(q4, k4, v4, kind, dtype, device, batch_shape, head_shape, scale,
-                           mask_obj, mods, dropout_p, seed, needs_grad, geom, dropped_mask)
+    device = "cpu" if kind == "numpy" or q.is_cpu else str(q.device)
+    inp = AttentionInputs(_to4d(q), _to4d(k), _to4d(v), kind, dtype, device, batch_shape, head_shape, scale,
+                          mask_obj, mods, dropout_p, seed, needs_grad)
+    if mask_obj is not None:
+        mask_obj.check(inp.geom)
+        if mask_obj.allows_every_pair(inp.geom):  # causal over a decoding step's one query per row
+            inp.mask, inp.dropped_mask = None, mask_obj
+    for m in mods:
+        m.check(inp.geom)
+    return inp
 
 
 # masks imports this module; importing it last hands it a complete one (an import inside the

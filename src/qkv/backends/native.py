@@ -90,11 +90,12 @@ class NativeBackend(Backend):
     def forward(self, inp):
         if inp.needs_grad:
             return autograd_attention(self.run_forward, self.run_backward, inp.q, inp.k, inp.v, inp)
-        return self.run_forward(inp, inp.q, inp.k, inp.v)
+        return self.run_forward(inp, inp.q, inp.k, inp.v, with_lse=inp.needs_lse)
 
-    def run_forward(self, inp, q, k, v):
-        B, Hq, Lq = q.shape[:3]
-        out, lse = _empty(inp.kind, q.dtype, (B, Hq, Lq, inp.Dv)), _empty(inp.kind, "float32", (B, Hq, Lq))
+    def run_forward(self, inp, q, k, v, with_lse=True):
+        """(out, lse), or (out, None) without with_lse (a decoding step saves allocating it)."""
+        out = _empty(inp.kind, q.dtype, (inp.B, inp.Hq, inp.Lq, inp.Dv))
+        lse = _empty(inp.kind, "float32", (inp.B, inp.Hq, inp.Lq)) if with_lse else None
         counts = None if base.tile_counter is None else np.zeros(2, dtype=np.int64)
         blocks = self.block_sizes(inp)
         _native.forward(*_for_kernel(q, k, v, out, lse), inp.scale, *blocks, self.num_threads,
@@ -141,10 +142,11 @@ def _few_queries(inp) -> bool:
 def _for_kernel(*arrays):
     """The arrays as the kernel takes them: NumPy arrays as they are, torch tensors as DLPack
     capsules (the binding would otherwise call each tensor's __dlpack__ method, some 6 µs a
-    tensor in Python: a third of a short decoding step)."""
+    tensor in Python: a third of a short decoding step). None stays None."""
     if not _arrays.is_torch(arrays[0]):
         return arrays
-    return tuple(map(sys.modules["torch"].utils.dlpack.to_dlpack, arrays))  # torch is loaded: it made them
+    to_dlpack = sys.modules["torch"].utils.dlpack.to_dlpack  # torch is loaded: it made them
+    return [a if a is None else to_dlpack(a) for a in arrays]
 
 
 def _empty(kind, dtype, shape):
