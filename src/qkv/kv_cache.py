@@ -81,6 +81,10 @@ class KVCache:
         self.length = 0
 
     def _check_new(self, k, v):
+        keys = self.keys
+        if (type(k) is type(v) is type(keys) and k.dtype == v.dtype == keys.dtype
+                and k.shape[:2] == v.shape[:2] == keys.shape[:2] and k.shape[3] == v.shape[3] == keys.shape[3]):
+            return  # a module's own call, in one test (each decoding step makes it)
         want = (self.batch_size, self.keys.shape[1], self.keys.shape[3])
         for name, x in (("keys", k), ("values", v)):
             if _arrays.kind_of(x) != _arrays.kind_of(self.keys):

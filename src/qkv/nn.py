@@ -166,7 +166,10 @@ class AttentionCore:
         key = query if key is None else key
         value = key if value is None else value
         self._check_input("query", query)
-        if key is not query:  # self-attention passes one array three times: checked once
+        if key is query and value is query:  # self-attention passes one array three times: checked once
+            self._check_cache_batch(query, cache)
+            return query, key, value
+        if key is not query:
             self._check_input("key", key)
         if value is not key:
             self._check_input("value", value)
@@ -176,10 +179,14 @@ class AttentionCore:
         if tuple(value.shape[:2]) != tuple(key.shape[:2]):
             raise ValueError(f"key and value must have the same (batch, length); got key {tuple(key.shape)}, "
                              f"value {tuple(value.shape)}")
+        self._check_cache_batch(query, cache)
+        return query, key, value
+
+    @staticmethod
+    def _check_cache_batch(query, cache):
         if cache is not None and query.shape[0] != cache.batch_size:
             raise ValueError(f"query has batch size {query.shape[0]} but the cache was made for "
                              f"batch_size={cache.batch_size}")
-        return query, key, value
 
     def _check_input(self, name, x):
         kind = _arrays.kind_of(x)
