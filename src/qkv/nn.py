@@ -227,9 +227,14 @@ def _with_causal(mask, q):
 
     Returns (mask, score_mod): a float mask is an additive bias, so it travels as a score modifier.
     """
+    if mask is None:  # every decoding step without a mask of its own
+        return _CAUSAL, None
     mask_obj, biases = inputs.as_mask(mask, _arrays.kind_of(q), inputs.dtype_name(q))
-    combined = causal() if mask_obj is None else causal() & mask_obj
+    combined = _CAUSAL if mask_obj is None else _CAUSAL & mask_obj
     return combined, (list(biases) or None)
+
+
+_CAUSAL = causal()  # masks are immutable: one serves every call
 
 
 class MultiHeadAttention(AttentionCore):
