@@ -466,14 +466,13 @@ inline void store_output(const ForwardPlan& plan, const Tile& tl, const float* m
   }
 }
 
-// Calls too small to pay for waking the pool run on the calling thread. The work items stay
-// the same, so the results do too. Waking a helper took some 25-30 µs on the 2-CPU machine
-// qkv is developed on: at 0.5M multiply-adds two threads ran forwards 0.90-1.00x as fast as
-// one (0.66x with 2 work items), at 1M 0.68-1.24x, from 2M on mostly faster. With the pool
-// no longer waiting for helpers that wake after the last item is claimed, still 0.73-0.90x
-// at 0.26-0.52M, level at 1-2M, 1.31-1.48x at 4M. The backward does more per multiply-add
-// and keeps the older, lower bound.
-constexpr double FORWARD_MIN_PARALLEL = 1 << 20, BACKWARD_MIN_PARALLEL = 1 << 18;
+// Calls too small to pay for a second thread run on the calling thread. The work items stay
+// the same, so the results do too. On OpenMP's threads (float32 forwards of 8 heads of 64,
+// paired calls), two threads ran 1.18-1.21x as fast as one at 0.08-0.14M multiply-adds,
+// 1.27-1.30x at 0.25M and 1.33-1.53x at 0.5-0.75M while the threads were awake (a torch
+// operation, or none, between calls); after 20 ms idle 0.74-0.77x, 0.85x and 0.85-0.88x.
+// The bound was 1M on the kernel's own pool, whose helpers took 25-30 µs to wake.
+constexpr double MIN_PARALLEL_MULTIPLY_ADDS = 1 << 18;
 inline int threads_for(const Problem& p, double min_multiply_adds) {
   const double multiply_adds = double(p.B) * p.Hq * p.Lq * p.Lk * (p.D + p.Dv);
   return multiply_adds < min_multiply_adds ? 1 : p.num_threads;
@@ -1142,7 +1141,7 @@ void forward(const Forward& f) {
                    amx ? round_up(p.Dv, 32) : p.Dv, amx};
   plan.tiles_per_split = plan.nk;
   plan.few_queries = few_queries;
-  const int threads = plan.few_queries ? few_queries_threads(p) : threads_for(p, FORWARD_MIN_PARALLEL);
+  const int threads = plan.few_queries ? few_queries_threads(p) : threads_for(p, MIN_PARALLEL_MULTIPLY_ADDS);
   plan.out_d = plan.few_queries ? 1 : plan.np, plan.out_row = plan.few_queries ? p.Dv : 1;
   const int64_t items = int64_t(p.B) * p.Hkv * plan.nq;
   // Few (row, query tile) items and many keys (decoding): split the keys too, so every
@@ -1379,7 +1378,7 @@ void row_item(void* ctx, int64_t r64) {
 void backward(const Backward& bw) {
   const Problem& p = bw.p;
   if (p.B == 0 || p.Hkv == 0) return;  // no gradient elements
-  const int G = p.Hq / p.Hkv, threads = threads_for(p, BACKWARD_MIN_PARALLEL);
+  const int G = p.Hq / p.Hkv, threads = threads_for(p, MIN_PARALLEL_MULTIPLY_ADDS);
   BackwardPlan plan{bw, G, cdiv(p.Lq, p.block_q), cdiv(p.Lk, p.block_k), round_up(p.D, W), round_up(p.Dv, W),
                     round_up(p.block_k, W), G * p.block_q};
   const int64_t rows = int64_t(p.B) * p.Hkv, q_tiles = rows * plan.nq, k_tiles = rows * plan.nk;
