@@ -81,6 +81,7 @@ SHAPES = {
     "decode_gqa": dict(B=1, Hq=4, Hkv=1, Lq=1, Lk=77, D=32, Dv=32),
     "lq_gt_lk": dict(B=1, Hq=2, Hkv=2, Lq=70, Lk=19, D=8, Dv=8),
     "odd_dims": dict(B=2, Hq=3, Hkv=1, Lq=33, Lk=65, D=17, Dv=5),
+    "keys_wider_than_values": dict(B=1, Hq=2, Hkv=1, Lq=50, Lk=70, D=40, Dv=8),
     "head_dim_256": dict(B=1, Hq=2, Hkv=1, Lq=20, Lk=40, D=256, Dv=256),
 }
 if ON_GPU:
@@ -120,13 +121,26 @@ def test_gradients_match_oracle(rng, dtype, case):
     check_gradients("triton", qkv_of(rng, dtype, requires_grad=True, **_lq_lk(case)), MASKS[case], rng)
 
 
+@pytest.mark.parametrize("dtype", DTYPES if ON_GPU else ["float32"])
 @pytest.mark.parametrize("shape", ["decode_gqa", "lq_gt_lk", "odd_dims"])
-def test_gradients_shapes(rng, shape):
+def test_gradients_shapes(rng, shape, dtype):
     dims = SHAPES[shape]
-    leaves = [make(rng, s, "float32", True) for s in ((dims["B"], dims["Hq"], dims["Lq"], dims["D"]),
+    leaves = [make(rng, s, dtype, True) for s in ((dims["B"], dims["Hq"], dims["Lq"], dims["D"]),
                                                        (dims["B"], dims["Hkv"], dims["Lk"], dims["D"]),
                                                        (dims["B"], dims["Hkv"], dims["Lk"], dims["Dv"]))]
     check_gradients("triton", leaves, dict(mask=qkv.causal()), rng)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_several_waves_of_programs(rng, head_dim, causal):
+    """Enough programs for several per multiprocessor: a Triton build error that showed only
+    then (a dQ kernel that stopped with "misaligned address" on an H100) fails here."""
+    kwargs = dict(mask=qkv.causal()) if causal else {}
+    shape = dict(B=4, Hq=8, Hkv=2, Lq=1024, Lk=1024, D=head_dim, Dv=head_dim)
+    check_forward(rng, "bfloat16", kwargs, **shape)
+    check_gradients("triton", qkv_of(rng, "bfloat16", requires_grad=True, **shape), kwargs, rng)
 
 
 def test_strided_inputs_are_read_in_place(rng):

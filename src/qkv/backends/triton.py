@@ -157,6 +157,8 @@ class Blocks:
 
 
 #: Largest first; a launch that runs out of shared memory or registers moves down the ladder.
+#: The dQ kernel stays at 2 stages: with 3 at head dim 64, Triton 3.6 built code that stopped
+#: with "misaligned address" on an H100 once more than one wave of programs ran.
 LADDERS = {
     "forward": {64: [Blocks(128, 64, 4, 3), Blocks(64, 64, 4, 2), Blocks(32, 32, 4, 1)],
                 128: [Blocks(128, 128, 8, 3), Blocks(128, 64, 8, 3), Blocks(64, 64, 4, 2), Blocks(32, 32, 4, 1)],
@@ -164,7 +166,7 @@ LADDERS = {
     "dkdv": {64: [Blocks(32, 128, 4, 3), Blocks(32, 64, 4, 2), Blocks(16, 32, 4, 1)],
              128: [Blocks(32, 128, 8, 3), Blocks(32, 64, 4, 2), Blocks(16, 32, 4, 1)],
              256: [Blocks(32, 64, 8, 2), Blocks(16, 64, 4, 1), Blocks(16, 32, 4, 1)]},
-    "dq": {64: [Blocks(128, 32, 4, 3), Blocks(64, 32, 4, 2), Blocks(32, 16, 4, 1)],
+    "dq": {64: [Blocks(128, 32, 4, 2), Blocks(64, 32, 4, 2), Blocks(32, 16, 4, 1)],
            128: [Blocks(128, 32, 8, 3), Blocks(64, 32, 4, 2), Blocks(32, 16, 4, 1)],
            256: [Blocks(64, 32, 8, 2), Blocks(32, 16, 4, 1), Blocks(16, 16, 4, 1)]},
 }
@@ -246,7 +248,11 @@ class _DeviceArgs:
         return self.dummy if array is None else torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
 
     def shapes(self, inp):
-        return dict(D=inp.D, DV=inp.Dv, GROUP=inp.group, BLOCK_D=_pow2(inp.D), BLOCK_DV=_pow2(inp.Dv),
+        # One padded width for both head dims: when the key width is padded wider than the value
+        # width, Triton 3.6 built forwards for an H100 that gave wrong results or read outside
+        # shared memory (D=17 or 24 with Dv=5 or 8, float16).
+        width = _pow2(max(inp.D, inp.Dv))
+        return dict(D=inp.D, DV=inp.Dv, GROUP=inp.group, BLOCK_D=width, BLOCK_DV=width,
                     DOT=_dot_mode(inp.dtype), **self.flags)
 
 
