@@ -228,7 +228,7 @@ class _DeviceArgs:
 
         inp, plan = call.inp, call.plan
         self.device = q.device
-        self.dummy = torch.zeros(1, dtype=torch.int32, device=q.device)
+        self.dummy = _dummy(q.device)
         put = self.to_device
         self.lo, self.hi, self.ids, self.kv_ids = (put(x) for x in (plan.lo, plan.hi, plan.ids, plan.kv_ids))
         alibi = next((m for m in inp.score_mods if isinstance(m, Alibi)), None)
@@ -242,10 +242,17 @@ class _DeviceArgs:
                           HAS_ALIBI=alibi is not None, HAS_SOFTCAP=softcap is not None)
 
     def to_device(self, array):
-        """A NumPy array on the inputs' device; the dummy for None."""
+        """A NumPy array on the inputs' device; the dummy for None. The copy leaves from pinned
+        memory without waiting: a pageable one would wait for the kernels queued before it, and
+        the GPU would idle while the host prepares the next launch."""
         import torch
 
-        return self.dummy if array is None else torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+        if array is None:
+            return self.dummy
+        host = torch.from_numpy(np.ascontiguousarray(array))
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def shapes(self, inp):
         # One padded width for both head dims: when the key width is padded wider than the value
@@ -254,6 +261,14 @@ class _DeviceArgs:
         width = _pow2(max(inp.D, inp.Dv))
         return dict(D=inp.D, DV=inp.Dv, GROUP=inp.group, BLOCK_D=width, BLOCK_DV=width,
                     DOT=_dot_mode(inp.dtype), **self.flags)
+
+
+@functools.cache
+def _dummy(device):
+    """A 1-element stand-in for absent pointer arguments (never read), one per device."""
+    import torch
+
+    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
 def _on_device(q):
