@@ -23,6 +23,14 @@ def test_a_small_run_reports_every_implementation_with_ratios(tmp_path, capsys):
     assert "qkv bench" in capsys.readouterr().out
 
 
+def test_shape_workloads_are_named_by_what_they_run(tmp_path):
+    out = tmp_path / "bench.json"
+    assert cli.main(["bench", "--shape", "1,2,64,16", "--causal", "--backward", "--repeats", "1", "--no-peers",
+                     "--json", str(out)]) == 0
+    names = {r["workload"] for r in json.loads(out.read_text())["results"]}
+    assert names == {"fwd+bwd causal float32 B=1 H=2 L=64 D=16"}
+
+
 def test_gpu_suite_covers_head_dims_lengths_masks_and_directions():
     suite = bench.gpu_suite()
     assert {w.D for w in suite} == {64, 128}
@@ -36,7 +44,8 @@ def test_gpu_suite_covers_head_dims_lengths_masks_and_directions():
 
 def test_gpu_implementations_are_qkv_triton_and_torch_kernels():
     w = bench.gpu_suite()[0]
-    assert set(bench.implementations(w, peers=True)) == {"qkv triton", "torch sdpa (flash)", "torch flex (compiled)"}
+    assert set(bench.implementations(w, peers=True)) == {
+        "qkv triton", "torch sdpa (flash)", "torch sdpa (cudnn)", "torch flex (compiled)"}
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message without a GPU")

@@ -94,7 +94,8 @@ def implementations(w: Workload, peers: bool = True) -> dict:
     impls = {}
     if w.device != "cpu":  # on a GPU: qkv's own kernel against torch's fused kernels
         impls["qkv triton"] = _qkv_impl(w, "triton")
-        impls["torch sdpa (flash)"] = _torch_sdpa_impl(w, flash=True)
+        impls["torch sdpa (flash)"] = _torch_sdpa_impl(w, "FLASH_ATTENTION")
+        impls["torch sdpa (cudnn)"] = _torch_sdpa_impl(w, "CUDNN_ATTENTION")
         if peers:
             impls["torch flex (compiled)"] = _flex_impl(w)
         return impls
@@ -142,7 +143,8 @@ def _qkv_impl(w, backend):
     return setup
 
 
-def _torch_sdpa_impl(w, flash: bool = False):
+def _torch_sdpa_impl(w, kernel: str | None = None):
+    """torch's SDPA, left to choose its kernel or pinned to one (an SDPBackend name)."""
     def setup():
         import torch.nn.functional as F
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -153,10 +155,10 @@ def _torch_sdpa_impl(w, flash: bool = False):
             # torch's is_causal is top-left aligned: the same as qkv's causal() when Lq == Lk
             return F.scaled_dot_product_attention(q, k, v, is_causal=w.causal, enable_gqa=w.Hq != w.Hkv)
 
-        def run_flash():
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        def run_pinned():
+            with sdpa_kernel(getattr(SDPBackend, kernel)):
                 return run()
-        call = run_flash if flash else run
+        call = run_pinned if kernel else run
         return _with_backward(call, (q, k, v)) if w.backward else call
     return setup
 
@@ -301,14 +303,14 @@ def machine() -> dict:
 
 # ---- the command ------------------------------------------------------------------------------
 def parse_shape(text: str) -> Workload:
-    """'B,H,L,D' or 'B,Hq,Hkv,Lq,Lk,D' -> a forward workload."""
+    """'B,H,L,D' or 'B,Hq,Hkv,Lq,Lk,D' -> a workload named by its sizes (run() adds the rest)."""
     parts = [int(x) for x in text.split(",")]
     if len(parts) == 4:
         B, H, L, D = parts
-        return Workload(f"fwd B={B} H={H} L={L} D={D}", B, H, H, L, L, D)
+        return Workload(f"B={B} H={H} L={L} D={D}", B, H, H, L, L, D)
     if len(parts) == 6:
         B, Hq, Hkv, Lq, Lk, D = parts
-        return Workload(f"fwd B={B} Hq={Hq} Hkv={Hkv} Lq={Lq} Lk={Lk} D={D}", B, Hq, Hkv, Lq, Lk, D)
+        return Workload(f"B={B} Hq={Hq} Hkv={Hkv} Lq={Lq} Lk={Lk} D={D}", B, Hq, Hkv, Lq, Lk, D)
     raise ValueError(f"--shape takes B,H,L,D or B,Hq,Hkv,Lq,Lk,D; got {text!r}")
 
 
@@ -317,7 +319,7 @@ def add_arguments(parser) -> None:
                         help="B,H,L,D or B,Hq,Hkv,Lq,Lk,D (repeatable); replaces the default suite")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="dtype of --shape workloads")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                        help="cuda: qkv's triton kernel against torch's flash SDPA and flex_attention; the default "
+                        help="cuda: qkv's triton kernel against torch's flash and cuDNN SDPA and flex_attention; the default "
                              "suite becomes bfloat16 forward and backward at head dims 64 and 128, L 512 to 16k")
     parser.add_argument("--causal", action="store_true", help="--shape workloads are causal")
     parser.add_argument("--backward", action="store_true", help="--shape workloads include the backward")
@@ -348,6 +350,7 @@ def run(args) -> int:
     for w in args.shape:
         w.dtype = args.dtype or w.dtype
         w.causal, w.backward, w.device = args.causal, args.backward, args.device
+        w.name = f"{'fwd+bwd' if w.backward else 'fwd'}{' causal' if w.causal else ''} {w.dtype} {w.name}"
     if args.sweep and args.device == "cpu":  # the cuda suite sweeps the length already
         workloads = workloads + sweep_suite()
     info = machine()
