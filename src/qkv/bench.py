@@ -319,8 +319,9 @@ def add_arguments(parser) -> None:
                         help="B,H,L,D or B,Hq,Hkv,Lq,Lk,D (repeatable); replaces the default suite")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="dtype of --shape workloads")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                        help="cuda: qkv's triton kernel against torch's flash and cuDNN SDPA and flex_attention; the default "
-                             "suite becomes bfloat16 forward and backward at head dims 64 and 128, L 512 to 16k")
+                        help="cuda: qkv's triton kernel against torch's flash and cuDNN SDPA and flex_attention; "
+                             "the default suite becomes bfloat16 forward and backward at head dims 64 and 128, "
+                             "L 512 to 16k")
     parser.add_argument("--causal", action="store_true", help="--shape workloads are causal")
     parser.add_argument("--backward", action="store_true", help="--shape workloads include the backward")
     parser.add_argument("--sweep", action="store_true", help="also sweep the sequence length (for --plot; CPU)")
