@@ -202,6 +202,18 @@ def test_query_block_ranges_cover_exactly_the_blocks_that_see_each_key_block(rng
             assert (first[b, j], end[b, j]) == ((blocks[0], blocks[-1] + 1) if blocks else (0, 0))
 
 
+@pytest.mark.parametrize("align,shift", [("bottom_right", 45 - 37), ("top_left", 0)])
+def test_a_lone_causal_mask_is_computed_in_the_kernels(rng, align, shift):
+    """No bounds leave the host for it; combined with another mask it is lowered to bounds."""
+    from qkv.backends.triton import _plan_masks
+
+    q, k, v = qkv_of(rng, "float32")
+    plan = _plan_masks(inputs.prepare(q, k, v, mask=qkv.causal(align=align)))
+    assert plan.causal_shift == shift and plan.lo is None and plan.hi is None
+    plan = _plan_masks(inputs.prepare(q, k, v, mask=qkv.causal(align=align) & qkv.window(5, None)))
+    assert plan.causal_shift is None and plan.lo.shape == (2, 37)
+
+
 @pytest.mark.parametrize("kwargs,reason", [
     (dict(mask=qkv.mask_fn(lambda b, h, i, j: (i + j) % 2 == 0)), "interval and document masks"),
     (dict(mask=qkv.causal() | qkv.window(2)), "interval and document masks"),
@@ -243,12 +255,12 @@ def test_chosen_automatically_for_cuda_tensors(rng):
 
 def test_kernels_compile_for_an_h100():
     """The compiler, unlike the interpreter, rejects what a GPU would: compile every kernel
-    (plain, with every mask and modifier, and with Lq = Lk = Hq = 1 as constants) for sm_90,
-    in a process without the interpreter."""
+    (plain, with every mask and modifier, with causal bounds computed, and with Lq = Lk = Hq = 1
+    as constants) for sm_90, in a process without the interpreter."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("triton_compile.py")
     done = subprocess.run([sys.executable, str(script), "90"], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line.split() for line in done.stdout.splitlines()]
-    assert [line[0] for line in lines] == ["forward"] * 3 + ["dkdv"] * 3 + ["dq"] * 3
+    assert [line[0] for line in lines] == ["forward"] * 4 + ["dkdv"] * 4 + ["dq"] * 4
     assert all(int(line[2]) <= 227 * 1024 for line in lines)  # an H100 block's shared memory

@@ -31,16 +31,21 @@ def signature(fn, dtype: str, constants: dict) -> dict:
     return {name: kind(name) for name in fn.arg_names}
 
 
+VARIANTS = ("plain", "masks+mods", "causal", "ones")
+
 #: Triton compiles an int argument equal to 1 as a constant: decoding (Lq = 1), one key, one head.
 ONES = dict(Lq=1, Lk=1, Hq=1)
 
 
-def compile_kernel(fn, blocks, arch: int, dtype="bf16", head_dim=128, every_feature=True, ones=False) -> int:
-    flags = dict(HAS_INTERVAL=every_feature, HAS_IDS=every_feature, HAS_ALIBI=every_feature,
-                 HAS_SOFTCAP=every_feature)
+def compile_kernel(fn, blocks, arch: int, dtype="bf16", head_dim=128, variant="plain") -> int:
+    """variant: "plain", "masks+mods" (every feature, bounds loaded), "causal" (bounds computed)
+    or "ones" (plain, with the ints Triton makes constants when they are 1)."""
+    every = variant == "masks+mods"
+    flags = dict(HAS_INTERVAL=every or variant == "causal", HAS_CAUSAL=variant == "causal", HAS_IDS=every,
+                 HAS_ALIBI=every, HAS_SOFTCAP=every)
     constants = dict(D=head_dim, DV=head_dim, GROUP=2, BLOCK_M=blocks.m, BLOCK_N=blocks.n, BLOCK_D=head_dim,
                      BLOCK_DV=head_dim, DOT="ieee" if dtype == "fp32" else "native", **flags)
-    if ones:
+    if variant == "ones":
         constants.update({k: v for k, v in ONES.items() if k in fn.arg_names})
     source = ASTSource(fn=fn, signature=signature(fn, dtype, constants), constexprs=constants)
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
@@ -51,9 +56,8 @@ def compile_kernel(fn, blocks, arch: int, dtype="bf16", head_dim=128, every_feat
 def main(arch: int) -> None:
     for name, fn in (("forward", kernels.attention_forward), ("dkdv", kernels.attention_backward_dkdv),
                      ("dq", kernels.attention_backward_dq)):
-        for variant in ("plain", "masks+mods", "ones"):
-            shared = compile_kernel(fn, LADDERS[name][128][0], arch, every_feature=variant == "masks+mods",
-                                    ones=variant == "ones")
+        for variant in VARIANTS:
+            shared = compile_kernel(fn, LADDERS[name][128][0], arch, variant=variant)
             print(name, variant, shared, flush=True)
 
 

@@ -3,8 +3,8 @@
 Imported only when the backend runs (it needs triton). Scores live in log2 units
 (scale * log2(e) folded into one multiply) so the softmax uses exp2; lse is stored in
 natural log. Masks arrive as per-query key intervals lo <= j <= hi (causal, window,
-padding, prefix-LM, sorted documents) and/or segment ids compared inline (unsorted
-documents). Each query block walks its key range in three phases: masked edge tiles,
+padding, prefix-LM, sorted documents; a lone causal mask's are computed here from its
+shift) and/or segment ids compared inline (unsorted documents). Each query block walks its key range in three phases: masked edge tiles,
 unmasked FULL tiles, masked edge tiles; tiles outside the range are never visited.
 """
 import triton
@@ -114,11 +114,17 @@ def _store_tile(ptr, value, offs_r, offs_c, stride_r, stride_c, n_r, n_c):
 
 
 @triton.jit
-def _query_side(LO, HI, QID, SLOPES, b, h, offs_m, Lq, s_interval_b, s_qid_b, HAS_INTERVAL: tl.constexpr,
-                HAS_IDS: tl.constexpr, HAS_ALIBI: tl.constexpr):
-    """A query block's key bounds lo/hi, segment ids and ALiBi slope (placeholders when absent)."""
-    lo = _load_rows(LO + b * s_interval_b, offs_m, Lq, 0) if HAS_INTERVAL else offs_m
-    hi = _load_rows(HI + b * s_interval_b, offs_m, Lq, -1) if HAS_INTERVAL else offs_m
+def _query_side(LO, HI, QID, SLOPES, b, h, offs_m, Lq, Lk, causal_shift, s_interval_b, s_qid_b,
+                HAS_INTERVAL: tl.constexpr, HAS_CAUSAL: tl.constexpr, HAS_IDS: tl.constexpr,
+                HAS_ALIBI: tl.constexpr):
+    """A query block's key bounds lo/hi (computed for a lone causal mask, loaded for others),
+    segment ids and ALiBi slope (placeholders when absent). Bounds are clipped to [-1, Lk]."""
+    if HAS_CAUSAL:
+        lo = offs_m * 0 - 1
+        hi = tl.minimum(tl.maximum(offs_m + causal_shift, -1), Lk)
+    else:
+        lo = _load_rows(LO + b * s_interval_b, offs_m, Lq, 0) if HAS_INTERVAL else offs_m
+        hi = _load_rows(HI + b * s_interval_b, offs_m, Lq, -1) if HAS_INTERVAL else offs_m
     qid = _load_rows(QID + b * s_qid_b, offs_m, Lq, -2) if HAS_IDS else offs_m
     slope = tl.load(SLOPES + h) if HAS_ALIBI else 0.0
     return lo, hi, qid, slope
@@ -173,10 +179,10 @@ def _forward_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, skn, skd, svn, svd, kid_ptr, 
 def attention_forward(Q, K, V, O, LSE, LO, HI, QID, KID, SLOPES,
                       sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
                       s_interval_b, s_qid_b, s_kid_b,
-                      Hq, Lq, Lk, sm_scale, softcap,
+                      Hq, Lq, Lk, sm_scale, softcap, causal_shift,
                       D: tl.constexpr, DV: tl.constexpr, GROUP: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                      DOT: tl.constexpr, HAS_INTERVAL: tl.constexpr, HAS_IDS: tl.constexpr,
+                      DOT: tl.constexpr, HAS_INTERVAL: tl.constexpr, HAS_CAUSAL: tl.constexpr, HAS_IDS: tl.constexpr,
                       HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """Program (query block, query head, batch row): O (B, Hq, Lq, Dv), LSE (B, Hq, Lq) float32."""
     pid_m = tl.program_id(0)
@@ -186,8 +192,8 @@ def attention_forward(Q, K, V, O, LSE, LO, HI, QID, KID, SLOPES,
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < Lq
     q = _load_tile(Q + b * sqb + h * sqh, offs_m, tl.arange(0, BLOCK_D), sqm, sqd, Lq, D)  # (BM, BD)
-    lo, hi, qid, slope = _query_side(LO, HI, QID, SLOPES, b, h, offs_m, Lq, s_interval_b, s_qid_b,
-                                     HAS_INTERVAL, HAS_IDS, HAS_ALIBI)
+    lo, hi, qid, slope = _query_side(LO, HI, QID, SLOPES, b, h, offs_m, Lq, Lk, causal_shift, s_interval_b,
+                                     s_qid_b, HAS_INTERVAL, HAS_CAUSAL, HAS_IDS, HAS_ALIBI)
     start, full_start, full_end, end = _key_range(lo, hi, row_ok, Lk, BLOCK_N, HAS_INTERVAL, HAS_IDS)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -246,11 +252,11 @@ def attention_backward_dq(Q, K, V, DO, LSE, DELTA, GRAD_Q, LO, HI, QID, KID, SLO
                           sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                           sdob, sdoh, sdom, sdod, sdqb, sdqh, sdqm, sdqd,
                           s_interval_b, s_qid_b, s_kid_b,
-                          Hq, Lq, Lk, sm_scale, softcap,
+                          Hq, Lq, Lk, sm_scale, softcap, causal_shift,
                           D: tl.constexpr, DV: tl.constexpr, GROUP: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_DV: tl.constexpr, DOT: tl.constexpr, HAS_INTERVAL: tl.constexpr,
-                          HAS_IDS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+                          HAS_CAUSAL: tl.constexpr, HAS_IDS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """Program (query block, query head, batch row): DQ, walking the same key range as the forward."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)  # 64-bit: head and batch offsets can pass 2^31
@@ -264,8 +270,8 @@ def attention_backward_dq(Q, K, V, DO, LSE, DELTA, GRAD_Q, LO, HI, QID, KID, SLO
     row = (b * Hq + h) * Lq
     lse2 = _row_lse2(LSE + row, offs_m, Lq)
     delta = _load_rows(DELTA + row, offs_m, Lq, 0.0)
-    lo, hi, qid, slope = _query_side(LO, HI, QID, SLOPES, b, h, offs_m, Lq, s_interval_b, s_qid_b,
-                                     HAS_INTERVAL, HAS_IDS, HAS_ALIBI)
+    lo, hi, qid, slope = _query_side(LO, HI, QID, SLOPES, b, h, offs_m, Lq, Lk, causal_shift, s_interval_b,
+                                     s_qid_b, HAS_INTERVAL, HAS_CAUSAL, HAS_IDS, HAS_ALIBI)
     start, full_start, full_end, end = _key_range(lo, hi, row_ok, Lk, BLOCK_N, HAS_INTERVAL, HAS_IDS)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -302,14 +308,15 @@ def attention_backward_dkdv(Q, K, V, DO, LSE, DELTA, GRAD_K, GRAD_V, LO, HI, QID
                             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                             sdob, sdoh, sdom, sdod, sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
                             s_interval_b, s_qid_b, s_kid_b, s_qrange_b,
-                            Hq, Lq, Lk, sm_scale, softcap,
+                            Hq, Lq, Lk, sm_scale, softcap, causal_shift,
                             D: tl.constexpr, DV: tl.constexpr, GROUP: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                             BLOCK_DV: tl.constexpr, DOT: tl.constexpr, HAS_INTERVAL: tl.constexpr,
-                            HAS_IDS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+                            HAS_CAUSAL: tl.constexpr, HAS_IDS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """Program (key block, kv head, batch row): DK and DV summed over the GROUP query heads sharing it.
 
-    QFIRST/QEND (B|1, nk) bound the query blocks whose keys intervals reach this key block.
+    QFIRST/QEND (B|1, nk) bound the query blocks whose keys intervals reach this key block; for
+    a lone causal mask the first is computed (query i sees keys up to i + causal_shift).
     """
     pid_n = tl.program_id(0)
     hk = tl.program_id(1).to(tl.int64)
@@ -321,7 +328,10 @@ def attention_backward_dkdv(Q, K, V, DO, LSE, DELTA, GRAD_K, GRAD_V, LO, HI, QID
     vT = tl.trans(_load_tile(V + b * svb + hk * svh, offs_n, offs_dv, svn, svd, Lk, DV))  # (BDV, BN)
     kid = _load_rows(KID + b * s_kid_b, offs_n, Lk, -1) if HAS_IDS else offs_n
     keys_full = pid_n * BLOCK_N + BLOCK_N <= Lk
-    if HAS_INTERVAL:
+    if HAS_CAUSAL:
+        t_start = tl.maximum(pid_n * BLOCK_N - causal_shift, 0) // BLOCK_M
+        t_end = tl.cdiv(Lq, BLOCK_M)
+    elif HAS_INTERVAL:
         t_start = tl.load(QFIRST + b * s_qrange_b + pid_n)
         t_end = tl.load(QEND + b * s_qrange_b + pid_n)
     else:
@@ -342,8 +352,8 @@ def attention_backward_dkdv(Q, K, V, DO, LSE, DELTA, GRAD_K, GRAD_V, LO, HI, QID
             do = _load_tile(do_ptr, offs_m, offs_dv, sdom, sdod, Lq, DV)  # (BM, BDV)
             lse2 = _row_lse2(LSE + row, offs_m, Lq)
             delta = _load_rows(DELTA + row, offs_m, Lq, 0.0)
-            lo, hi, qid, slope = _query_side(LO, HI, QID, SLOPES, b, h, offs_m, Lq, s_interval_b, s_qid_b,
-                                             HAS_INTERVAL, HAS_IDS, HAS_ALIBI)
+            lo, hi, qid, slope = _query_side(LO, HI, QID, SLOPES, b, h, offs_m, Lq, Lk, causal_shift,
+                                             s_interval_b, s_qid_b, HAS_INTERVAL, HAS_CAUSAL, HAS_IDS, HAS_ALIBI)
             if HAS_IDS:
                 full = False
             elif HAS_INTERVAL:  # every row of the block allows every key of the tile

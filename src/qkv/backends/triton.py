@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..masks import And, Alibi, Document, IntervalMask, Softcap
+from ..masks import And, Alibi, Causal, Document, IntervalMask, Softcap
 from .base import (Backend, Capabilities, autograd_attention, cdiv, clip_intervals, inline_score_mod_reasons,
                    key_intervals, softmax_delta)
 
@@ -78,12 +78,14 @@ class TritonBackend(Backend):
 # ---- masks ------------------------------------------------------------------------------------
 @dataclass
 class _MaskPlan:
-    """What the kernels take: key intervals lo <= j <= hi (B, Lq) and/or segment ids."""
+    """What the kernels take: key intervals lo <= j <= hi (B, Lq) and/or segment ids, or for
+    a lone causal mask only its shift (hi = i + causal_shift, computed in the kernels)."""
 
     lo: np.ndarray | None = None
     hi: np.ndarray | None = None
     ids: np.ndarray | None = None  # (B|1, Lq) compared with kv_ids (B|1, Lk) inline
     kv_ids: np.ndarray | None = None
+    causal_shift: int | None = None
 
 
 def _conjuncts(mask):
@@ -106,6 +108,8 @@ def _mask_reasons(inp) -> list[str]:
 
 def _plan_masks(inp) -> _MaskPlan:
     """The kernels' view of a mask that _mask_reasons accepts."""
+    if isinstance(inp.mask, Causal):  # the common case needs no bounds from the host
+        return _MaskPlan(causal_shift=inp.Lk - inp.Lq if inp.mask.align == "bottom_right" else 0)
     plan = _MaskPlan()
     for part in [] if inp.mask is None else _conjuncts(inp.mask):
         if isinstance(part, Document) and not _sorted_ids(part):
@@ -238,7 +242,9 @@ class _DeviceArgs:
         self.strides = (self.lo.stride(0) if plan.lo is not None else 0,
                         self.ids.stride(0) if plan.ids is not None and plan.ids.shape[0] > 1 else 0,
                         self.kv_ids.stride(0) if plan.kv_ids is not None and plan.kv_ids.shape[0] > 1 else 0)
-        self.flags = dict(HAS_INTERVAL=plan.lo is not None, HAS_IDS=plan.ids is not None,
+        self.causal_shift = plan.causal_shift or 0
+        self.flags = dict(HAS_INTERVAL=plan.lo is not None or plan.causal_shift is not None,
+                          HAS_CAUSAL=plan.causal_shift is not None, HAS_IDS=plan.ids is not None,
                           HAS_ALIBI=alibi is not None, HAS_SOFTCAP=softcap is not None)
 
     def to_device(self, array):
@@ -304,7 +310,7 @@ def _forward(call: _Call, q, k, v):
         kernels.attention_forward[(cdiv(inp.Lq, blocks.m), inp.Hq, inp.B)](
             q, k, v, out, lse, args.lo, args.hi, args.ids, args.kv_ids, args.slopes,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *args.strides,
-            inp.Hq, inp.Lq, inp.Lk, inp.scale, args.softcap, **args.shapes(inp),
+            inp.Hq, inp.Lq, inp.Lk, inp.scale, args.softcap, args.causal_shift, **args.shapes(inp),
             BLOCK_M=blocks.m, BLOCK_N=blocks.n, num_warps=blocks.warps, num_stages=blocks.stages)
 
     with _on_device(q):
@@ -332,14 +338,14 @@ def _backward(call: _Call, q, k, v, out, lse, dout, dlse):
             q, k, v, dout, lse, delta, dk, dv, args.lo, args.hi, args.ids, args.kv_ids, args.slopes, first, end,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
             *args.strides, first.stride(0) if first.dim() == 2 else 0,
-            inp.Hq, inp.Lq, inp.Lk, inp.scale, args.softcap, **args.shapes(inp),
+            inp.Hq, inp.Lq, inp.Lk, inp.scale, args.softcap, args.causal_shift, **args.shapes(inp),
             BLOCK_M=blocks.m, BLOCK_N=blocks.n, num_warps=blocks.warps, num_stages=blocks.stages)
 
     def run_dq(blocks):
         kernels.attention_backward_dq[(cdiv(inp.Lq, blocks.m), inp.Hq, inp.B)](
             q, k, v, dout, lse, delta, dq, args.lo, args.hi, args.ids, args.kv_ids, args.slopes,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(), *args.strides,
-            inp.Hq, inp.Lq, inp.Lk, inp.scale, args.softcap, **args.shapes(inp),
+            inp.Hq, inp.Lq, inp.Lk, inp.scale, args.softcap, args.causal_shift, **args.shapes(inp),
             BLOCK_M=blocks.m, BLOCK_N=blocks.n, num_warps=blocks.warps, num_stages=blocks.stages)
 
     key = _cache_key(inp, args)
