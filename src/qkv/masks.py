@@ -247,11 +247,15 @@ class Causal(IntervalMask):
     def __init__(self, align: str = "bottom_right"):
         self.align = inputs.check_choice("align", align, ALIGNS)
 
+    def shift(self, geom) -> int:
+        """Query i sees keys j <= i + shift."""
+        return _offset(self.align, geom)
+
     def interval(self, b, qi, geom):
-        return qi * 0 + np.iinfo(np.int64).min // 2, qi + _offset(self.align, geom)
+        return qi * 0 + np.iinfo(np.int64).min // 2, qi + self.shift(geom)
 
     def allows_every_pair(self, geom):
-        return _offset(self.align, geom) >= geom.Lk - 1  # the first query already sees the last key
+        return self.shift(geom) >= geom.Lk - 1  # the first query already sees the last key
 
     def __repr__(self):
         return f"causal(align={self.align!r})"

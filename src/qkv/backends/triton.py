@@ -109,7 +109,7 @@ def _mask_reasons(inp) -> list[str]:
 def _plan_masks(inp) -> _MaskPlan:
     """The kernels' view of a mask that _mask_reasons accepts."""
     if isinstance(inp.mask, Causal):  # the common case needs no bounds from the host
-        return _MaskPlan(causal_shift=inp.Lk - inp.Lq if inp.mask.align == "bottom_right" else 0)
+        return _MaskPlan(causal_shift=inp.mask.shift(inp.geom))
     plan = _MaskPlan()
     for part in [] if inp.mask is None else _conjuncts(inp.mask):
         if isinstance(part, Document) and not _sorted_ids(part):
