@@ -4,8 +4,9 @@ Imported only when the backend runs (it needs triton). Scores live in log2 units
 (scale * log2(e) folded into one multiply) so the softmax uses exp2; lse is stored in
 natural log. Masks arrive as per-query key intervals lo <= j <= hi (causal, window,
 padding, prefix-LM, sorted documents; a lone causal mask's are computed here from its
-shift) and/or segment ids compared inline (unsorted documents). Each query block walks its key range in three phases: masked edge tiles,
-unmasked FULL tiles, masked edge tiles; tiles outside the range are never visited.
+shift) and/or segment ids compared inline (unsorted documents). Each query block walks its
+key range in three phases: masked edge tiles, unmasked FULL tiles, masked edge tiles; tiles
+outside the range are never visited.
 """
 import triton
 import triton.language as tl
@@ -256,7 +257,8 @@ def attention_backward_dq(Q, K, V, DO, LSE, DELTA, GRAD_Q, LO, HI, QID, KID, SLO
                           D: tl.constexpr, DV: tl.constexpr, GROUP: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_DV: tl.constexpr, DOT: tl.constexpr, HAS_INTERVAL: tl.constexpr,
-                          HAS_CAUSAL: tl.constexpr, HAS_IDS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+                          HAS_CAUSAL: tl.constexpr, HAS_IDS: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                          HAS_SOFTCAP: tl.constexpr):
     """Program (query block, query head, batch row): DQ, walking the same key range as the forward."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)  # 64-bit: head and batch offsets can pass 2^31
@@ -312,7 +314,8 @@ def attention_backward_dkdv(Q, K, V, DO, LSE, DELTA, GRAD_K, GRAD_V, LO, HI, QID
                             D: tl.constexpr, DV: tl.constexpr, GROUP: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                             BLOCK_DV: tl.constexpr, DOT: tl.constexpr, HAS_INTERVAL: tl.constexpr,
-                            HAS_CAUSAL: tl.constexpr, HAS_IDS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+                            HAS_CAUSAL: tl.constexpr, HAS_IDS: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                            HAS_SOFTCAP: tl.constexpr):
     """Program (key block, kv head, batch row): DK and DV summed over the GROUP query heads sharing it.
 
     QFIRST/QEND (B|1, nk) bound the query blocks whose keys intervals reach this key block; for
