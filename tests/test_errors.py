@@ -401,12 +401,20 @@ def test_empty_inputs_give_defined_results(case, kind, backend):
         assert (lse_np == -np.inf).all()
 
 
+def _masks_of_every_kind(batch, lq, lk):
+    """A composed mask with structured, per-batch and rule parts, and one of packed documents."""
+    composed = qkv.causal() & qkv.padding([lk] * batch) & qkv.window(left=2) | qkv.mask_fn(lambda b, h, qi, ki: qi < 0)
+    documents = qkv.document(np.zeros((batch, lq), int), np.zeros((batch, lk), int)) & qkv.prefix_lm([min(1, lk)] * batch)
+    return {"composed": composed, "documents": documents}
+
+
 @pytest.mark.parametrize("kind, backend", BACKEND_RUNS, ids=lambda x: str(x))
 @pytest.mark.parametrize("case", ["Lq0", "Lk0", "Lq0-Lk0", "batch0"])
-def test_empty_inputs_with_masks(case, kind, backend):
+@pytest.mark.parametrize("mask_kind", ["composed", "documents"])
+def test_empty_inputs_with_masks(case, kind, backend, mask_kind):
     q, k, v = _make(kind, EMPTY_SHAPES[case])
-    batch, lk = q.shape[0], k.shape[-2]
-    mask = qkv.causal() & qkv.padding([lk] * batch) & qkv.window(left=2) | qkv.mask_fn(lambda b, h, qi, ki: qi < 0)
+    batch, lq, lk = q.shape[0], q.shape[-2], k.shape[-2]
+    mask = _masks_of_every_kind(batch, lq, lk)[mask_kind]
     out, lse = qkv.attention(q, k, v, mask, return_lse=True, backend=backend)
     assert tuple(out.shape) == tuple(q.shape[:-1]) + (v.shape[-1],)
     assert tuple(lse.shape) == tuple(q.shape[:-1])

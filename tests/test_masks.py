@@ -192,6 +192,19 @@ def test_nan_in_unmasked_input_propagates(backend, rng):
     assert np.isnan(out[0, 0, :, 0]).all()
 
 
+@pytest.mark.parametrize("where", ["q", "k"])
+def test_nan_scores_propagate_to_output_and_lse(backend, rng, where):
+    """A NaN in q (one row's scores) or in an allowed key (every row's) is NaN out, never 0 and -inf."""
+    kind = kind_of_backend(backend)
+    (q, k, v), _ = random_qkv(rng, (1, 1, 4, 8), (1, 1, 6, 8), (1, 1, 6, 8), kind, "float32")
+    (q if where == "q" else k)[0, 0, 1, 0] = float("nan")
+    out, lse = qkv.attention(q, k, v, backend=backend, return_lse=True)
+    out, lse = np.asarray(out.tolist()), np.asarray(lse.tolist())
+    nan_rows = [1] if where == "q" else [0, 1, 2, 3]
+    assert np.isnan(out[0, 0, nan_rows]).all() and np.isnan(lse[0, 0, nan_rows]).all()
+    assert np.isfinite(np.delete(out[0, 0], nan_rows, axis=0)).all()
+
+
 def test_dense_mask_with_several_batch_dims(backend, rng):
     """A mask (B1, B2, H, Lq, Lk) lines up with q's own leading dims on every backend."""
     kind, dtype = kind_of_backend(backend), precise_dtype(backend)

@@ -389,8 +389,9 @@ class Document(Mask):
 def _tile_min_max(ids: np.ndarray, block: int):
     """Per-tile min and max of (B, L) ids: two arrays (B, ceil(L/block))."""
     n_batch, length = ids.shape
-    padded = np.concatenate([ids, np.repeat(ids[:, -1:], _cdiv(length, block) * block - length, axis=1)], axis=1)
-    tiles = padded.reshape(n_batch, -1, block)
+    n_tiles = _cdiv(length, block)
+    padded = np.concatenate([ids, np.repeat(ids[:, -1:], n_tiles * block - length, axis=1)], axis=1)
+    tiles = padded.reshape(n_batch, n_tiles, block)  # n_tiles given: -1 cannot be inferred when n_batch is 0
     return tiles.min(axis=2), tiles.max(axis=2)
 
 

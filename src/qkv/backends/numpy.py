@@ -61,7 +61,7 @@ class NumpyBackend(Backend):
                 p = p * keep[0]
             acc = acc * alpha + p @ inp.v[b, kv, k0:k1].astype(cdt)
             m = m_new
-        has_key = l > 0
+        has_key = l != 0  # exactly 0 where no key is allowed; NaN (from NaN inputs) propagates
         out[b, heads, q0:q1] = np.where(has_key, acc / np.where(has_key, l, 1), 0).reshape(
             inp.group, q1 - q0, inp.Dv)
         lse[b, heads, q0:q1] = np.where(has_key, safe_m + np.log(np.where(has_key, l, 1)), -np.inf).reshape(

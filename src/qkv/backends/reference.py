@@ -36,8 +36,9 @@ def softmax_with_lse(s, allowed):
     m = xp.where(m == -np.inf, 0, m)
     e = xp.exp(s - m)
     total = _arrays.sum_last(e)  # (B, Hq, Lq, 1)
-    weights = e / xp.where(total > 0, total, 1)
-    lse = xp.where(total > 0, m + xp.log(xp.where(total > 0, total, 1)), -np.inf)[..., 0]  # (B, Hq, Lq)
+    has_key = total != 0  # exactly 0 where no key is allowed; NaN (from NaN inputs) propagates
+    weights = e / xp.where(has_key, total, 1)
+    lse = xp.where(has_key, m + xp.log(xp.where(has_key, total, 1)), -np.inf)[..., 0]  # (B, Hq, Lq)
     return weights, lse
 
 

@@ -98,7 +98,7 @@ def forward_tiled(inp, q, k, v):
                 m, l, acc = new
             else:
                 m[sel], l[sel], acc[sel] = new
-        has_key = l > 0
+        has_key = l != 0  # exactly 0 where no key is allowed; NaN (from NaN inputs) propagates
         safe_m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
         out[:, :, q0:q1] = torch.where(has_key, acc / torch.where(has_key, l, torch.ones_like(l)),
                                        torch.zeros_like(acc)).reshape(R, G, q1 - q0, inp.Dv)
