@@ -19,9 +19,13 @@
 namespace nb = nanobind;
 using namespace qkv;
 
-using Any = nb::ndarray<nb::device::cpu>;
+// Inputs are only read, so read-only arrays (np.broadcast_to views, for one) pass too.
+using Any = nb::ndarray<nb::ro, nb::device::cpu>;
+using Out = nb::ndarray<nb::device::cpu>;
 template <class T>
-using Flat = nb::ndarray<T, nb::c_contig, nb::device::cpu>;
+using Flat = nb::ndarray<const T, nb::c_contig, nb::device::cpu>;
+template <class T>
+using FlatOut = nb::ndarray<T, nb::c_contig, nb::device::cpu>;
 
 namespace {
 
@@ -151,11 +155,12 @@ NB_MODULE(_native, m) {
         "own operations share) or 'own pool'.");
   m.def(
       "forward",
-      [](Any q, Any k, Any v, Any out, std::optional<Flat<float>> lse, float scale, int block_q, int block_k, int threads,
+      [](Any q, Any k, Any v, Out out, std::optional<FlatOut<float>> lse, float scale, int block_q, int block_k,
+         int threads,
          std::optional<Flat<int8_t>> tile_class, std::optional<Flat<int32_t>> lo, std::optional<Flat<int32_t>> hi,
          std::optional<Flat<int32_t>> bitmap_index, std::optional<Flat<uint8_t>> bitmaps,
          std::optional<Flat<float>> alibi, float softcap, std::optional<Any> bias,
-         std::optional<Flat<int64_t>> tile_counts, bool float32_on_amx) {
+         std::optional<FlatOut<int64_t>> tile_counts, bool float32_on_amx) {
         Extras x{tile_class, lo, hi, bitmap_index, bitmaps, alibi, softcap, bias};
         Forward f{make_problem(q, k, v, scale, block_q, block_k, threads, x), out.data(), lse ? lse->data() : nullptr,
                   tile_counts ? tile_counts->data() : nullptr, float32_on_amx};
@@ -172,7 +177,7 @@ NB_MODULE(_native, m) {
       "float32_on_amx, where AMX runs, float32 products run on it as sums of bfloat16 parts (else on the FMA units).");
   m.def(
       "backward",
-      [](Any q, Any k, Any v, Any dout, Flat<float> lse, Flat<float> delta, Any dq, Any dk, Any dv, float scale,
+      [](Any q, Any k, Any v, Any dout, Flat<float> lse, Flat<float> delta, Out dq, Out dk, Out dv, float scale,
          int block_q, int block_k, int threads, std::optional<Flat<int8_t>> tile_class,
          std::optional<Flat<int32_t>> lo, std::optional<Flat<int32_t>> hi, std::optional<Flat<int32_t>> bitmap_index,
          std::optional<Flat<uint8_t>> bitmaps, std::optional<Flat<float>> alibi, float softcap,

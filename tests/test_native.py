@@ -175,6 +175,19 @@ def test_numpy_arrays_and_strided_tensors(rng):
     np.testing.assert_array_equal(qkv.attention(tq, tk, tv, qkv.causal(), backend="native").numpy(), got)
 
 
+def test_read_only_arrays(rng):
+    """Read-only inputs (broadcast views, frozen arrays, a bias broadcast over batch rows) are read in place."""
+    q, k, v = (rng.standard_normal((2, 3, n, 16)).astype(np.float32) for n in (20, 30, 30))
+    bias = rng.standard_normal((2, 3, 20, 30)).astype(np.float32)
+    shared_query = np.broadcast_to(q[:, :, :1], q.shape)  # stride 0 along Lq, read-only
+    for x in (k, v, bias):
+        x.flags.writeable = False
+    got = qkv.attention(shared_query, k, v, bias, backend="native")
+    want = qkv.attention(shared_query, k, v, bias, backend="reference")
+    want64 = qkv.attention(*(x.astype(np.float64) for x in (shared_query, k, v, bias)), backend="reference")
+    assert_within_rule(got, want64, want, "float32")
+
+
 SCRIPT = """
 import numpy as np, torch, qkv
 from qkv.backends import native
