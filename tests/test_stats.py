@@ -327,3 +327,18 @@ def test_65536_tokens_stay_under_64_mib():
     assert report["finite"] and report["entropy_max"] <= np.log(L)
     assert abs(report["received"] - L) < 1e-3 * L  # every row's weights sum to 1
     assert report["grown"] < LIMIT, f"peak memory grew by {report['grown'] / 2**20:.1f} MiB"
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_rows_with_fewer_allowed_keys_than_topk_end_in_minus_one(kind):
+    """Under a causal mask row i has i + 1 keys: the rest of its top-k is index -1, weight 0."""
+    rng = np.random.default_rng(11)
+    q, k = qk64(rng, 700, 700)
+    if kind == "torch":
+        torch = pytest.importorskip("torch")
+        q, k = torch.from_numpy(q), torch.from_numpy(k)
+    got = attention_stats(q, k, qkv.causal(), topk=4)
+    first_row = (Ellipsis, 0, slice(None))  # (B, Hq, topk)
+    np.testing.assert_array_equal(np.asarray(got.topk_indices)[first_row], np.broadcast_to([0, -1, -1, -1], (B, HQ, 4)))
+    np.testing.assert_array_equal(np.asarray(got.topk_weights)[first_row], np.broadcast_to([1., 0, 0, 0], (B, HQ, 4)))
+    check_against_weights(got, np.asarray(qkv.attention_weights(q, k, qkv.causal())), topk=4)

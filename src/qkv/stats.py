@@ -310,12 +310,15 @@ def _amax(x, axis):
 def _merge_topk(top, w, z, k0: int):
     """Fold a tile's weights w (B, Hq, bq, bk) into the running top-k (values, indices).
 
-    Masked entries (log-weight z == -inf) rank below every weight, as -1.
+    Masked entries (log-weight z == -inf) rank below every weight, as weight -1 and index -1,
+    so a row with fewer than topk allowed keys ends in -1 indices.
     """
     values, indices = top
     xp = _arrays.namespace(w)
-    w = xp.where(z == -np.inf, -1.0, w)
+    masked = z == -np.inf
+    w = xp.where(masked, -1.0, w)
     keys = _arrays.broadcast_to(_arrays.arange_like(w.shape[-1], w) + k0, w.shape)  # (B, Hq, bq, bk)
+    keys = xp.where(masked, -1, keys)
     return _largest(_concat(values, w), _concat(indices, keys), values.shape[-1])
 
 
