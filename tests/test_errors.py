@@ -291,6 +291,9 @@ BAD = [
                  TypeError, r"mask must be of the same kind as q(uery)? \(torch\), got numpy", id="sdpa-numpy-mask"),
     pytest.param(lambda: qkv.scaled_dot_product_attention(TQ[:, 0], TK[:, 0], TK[:, 0], torch.ones(B, LQ, LK - 1)),
                  ValueError, r"mask.*\(2, 5, 5\).*does not broadcast.*5, 6\)", id="sdpa-mask-wrong-shape"),
+    pytest.param(lambda: qkv.scaled_dot_product_attention(TQ[:, 0], TK[:1, 0], TK[:1, 0]), ValueError,
+                 r"leading \(batch\) dims of query and key must match.*query \(2, 5, 8\), key \(1, 6, 8\)",
+                 id="sdpa-batch-mismatch"),
 ]
 
 

@@ -97,7 +97,7 @@ def scaled_dot_product_attention(query, key, value, mask=None):
     >>> q = k = v = torch.randn(2, 10, 64)
     >>> out, w = qkv.scaled_dot_product_attention(q, k, v)   # (2, 10, 64), (2, 10, 10)
     """
-    inputs.check_qkv(query, key, value, names=("query", "key", "value"))
+    inputs.check_qkv(query, key, value, names=("query", "key", "value"), heads=False)
     if mask is not None:
         inputs.check_seed_mask(mask, query, key)
         mask = mask != 0

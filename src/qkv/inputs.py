@@ -230,8 +230,11 @@ def _check_tensor(name, x, kind):
     return got, dtype
 
 
-def check_qkv(q, k, v, names=("q", "k", "v")):
-    """Validate q, k, v and return their kind (`names` are the caller's argument names)."""
+def check_qkv(q, k, v, names=("q", "k", "v"), heads=True):
+    """Validate q, k, v and return their kind (`names` are the caller's argument names).
+
+    heads: the inputs are (..., H, L, D); without, (..., L, D) with every leading dim a batch dim.
+    """
     nq, nk, nv = names
     kind, q_dtype = _check_tensor(nq, q, None)
     # the common case in one test: k and v then pass every check q passed
@@ -251,9 +254,11 @@ def check_qkv(q, k, v, names=("q", "k", "v")):
         raise ValueError(f"the head dim D (last dim of q) must be at least 1, got q {qs}")
     if vs[:-1] != ks[:-1]:
         raise ValueError(f"v must match k in every dim but the last: k {ks}, v {vs}")
-    if qs[:-3] != ks[:-3]:
-        raise ValueError(f"leading (batch) dims of q and k must match exactly (no broadcasting): q {qs}, k {ks}")
-    if q.ndim >= 3:
+    batch_dims = -3 if heads else -2
+    if qs[:batch_dims] != ks[:batch_dims]:
+        raise ValueError(f"leading (batch) dims of {nq} and {nk} must match exactly (no broadcasting): "
+                         f"{nq} {qs}, {nk} {ks}")
+    if heads and q.ndim >= 3:
         hq, hkv = qs[-3], ks[-3]
         if q.ndim == 3 and hq != hkv:
             raise ValueError(f"3-D inputs are (H, L, D) and need equal head counts; got q {qs}, k {ks}. "
