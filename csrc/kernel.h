@@ -282,7 +282,10 @@ inline void apply_rule(const Tile& tl, float* S, int64_t rs, int64_t cs) {
     }
     if (mods.softcap > 0) {
       float cap = mods.softcap, inv = 1.f / cap;
-      for (int c = 0; c < tl.cols; ++c) s[c * cs] = cap * tanhf(s[c * cs] * inv);
+      for (int c = 0; c < tl.cols; ++c) {  // a -inf bias stays masked, not -cap
+        const float x = s[c * cs];
+        s[c * cs] = x == NEG_INF ? x : cap * tanhf(x * inv);
+      }
     }
     if (partial && p.mask.lo) {
       int64_t at = tl.b * p.mask.lohi_bstride + i;

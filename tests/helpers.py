@@ -109,7 +109,11 @@ def _as64(kwargs):
 
 def reference_grads(qkv64, dout, dlse, kwargs, dtype="float64"):
     """(dq, dk, dv) of sum(out * dout) + sum(lse * dlse) from the oracle, computed in dtype."""
-    inp = inputs.prepare(*[x.astype(dtype) for x in qkv64], **_as64(kwargs))
+    kwargs = _as64(kwargs)
+    mask = kwargs.get("mask")
+    if isinstance(mask, np.ndarray) and mask.dtype != bool:  # a bias has the inputs' dtype
+        kwargs = {**kwargs, "mask": mask.astype(dtype)}
+    inp = inputs.prepare(*[x.astype(dtype) for x in qkv64], **kwargs)
     return dispatch.REGISTRY["reference"].backward(inp, dout.astype(dtype), dlse.astype(dtype))
 
 

@@ -151,6 +151,21 @@ def test_boolean_and_float_arrays(backend, rng):
                                qkv.attention(q, k, v, allowed, backend="reference"), atol=1e-14)
 
 
+def test_softcap_keeps_a_minus_inf_bias_masked(backend, rng):
+    """softcap maps scores into (-cap, cap) but leaves -inf (a float mask's "masked") at -inf."""
+    kind, dtype = kind_of_backend(backend), precise_dtype(backend)
+    arrays, arrays64 = random_qkv(rng, (2, 2, 20, 8), (2, 2, 30, 8), (2, 2, 30, 8), kind, dtype)
+    allowed = rng.random((2, 1, 20, 30)) < 0.5
+    allowed[0, 0, 3] = False  # a row with no key at all
+    from helpers import convert
+    as_bias = np.where(allowed, 0.0, -np.inf)
+    check_backend(backend, arrays, arrays64, dtype, mask=convert(as_bias, kind, dtype), score_mod=qkv.softcap(2.0))
+    q, k, v = arrays64  # the meaning: the same as the boolean mask
+    np.testing.assert_allclose(qkv.attention(q, k, v, as_bias, score_mod=qkv.softcap(2.0), backend="reference"),
+                               qkv.attention(q, k, v, allowed, score_mod=qkv.softcap(2.0), backend="reference"),
+                               atol=1e-14)
+
+
 @pytest.mark.parametrize("mod", [
     lambda: qkv.alibi(np.array([0.5, 0.25, 0.125, 0.0625])),
     lambda: qkv.softcap(2.0),

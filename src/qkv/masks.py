@@ -584,7 +584,8 @@ class Softcap(ScoreMod):
         self.cap = inputs.check_positive_float("cap", cap)
 
     def apply(self, s, b, h, qi, ki, geom):
-        return _arrays.namespace(s).tanh(s / self.cap) * self.cap
+        xp = _arrays.namespace(s)
+        return xp.where(s == -np.inf, s, xp.tanh(s / self.cap) * self.cap)  # a -inf bias stays masked, not -cap
 
     def derivative(self, s_in):
         """d softcap / d s at the unmodified score s_in."""
