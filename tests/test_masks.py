@@ -151,6 +151,18 @@ def test_boolean_and_float_arrays(backend, rng):
                                qkv.attention(q, k, v, allowed, backend="reference"), atol=1e-14)
 
 
+def test_one_dimensional_masks_broadcast_over_rows(backend, rng):
+    """A (Lk,) boolean mask or bias applies to every query row, as NumPy broadcasting says."""
+    kind, dtype = kind_of_backend(backend), precise_dtype(backend)
+    arrays, arrays64 = random_qkv(rng, (2, 3, 20, 8), (2, 3, 30, 8), (2, 3, 30, 8), kind, dtype)
+    from helpers import convert
+    allowed = rng.random(30) < 0.5
+    check_backend(backend, arrays, arrays64, dtype, mask=convert(allowed.astype(np.float64), kind, dtype) > 0.5)
+    check_backend(backend, arrays, arrays64, dtype, mask=convert(rng.standard_normal(30), kind, dtype))
+    np.testing.assert_array_equal(qkv.attention(*arrays64, allowed, backend="reference"),
+                                  qkv.attention(*arrays64, np.broadcast_to(allowed, (20, 30)), backend="reference"))
+
+
 def test_softcap_keeps_a_minus_inf_bias_masked(backend, rng):
     """softcap maps scores into (-cap, cap) but leaves -inf (a float mask's "masked") at -inf."""
     kind, dtype = kind_of_backend(backend), precise_dtype(backend)

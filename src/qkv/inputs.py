@@ -132,9 +132,7 @@ def fit_dense(name, array, geom):
     """View a mask/bias array broadcastable to (..., Hq, Lq, Lk) as 4-D (B|1, H|1, Lq|1, Lk|1)."""
     shape, batch_shape = tuple(array.shape), geom.batch_shape
     expected = f"(..., Hq, Lq, Lk) = {batch_shape + (geom.heads, geom.Lq, geom.Lk)}"
-    if len(shape) < 2:
-        raise ValueError(f"{name} must have at least 2 dims (..., Lq, Lk); got shape {shape}")
-    tail = shape[-3:] if len(shape) >= 3 else (1,) + shape
+    tail = (1,) * (3 - len(shape)) + shape[-3:]  # (H|1, Lq|1, Lk|1): a (Lk,) mask is one row for all
     lead = shape[:-3]
     fits_tail = all(s in (1, t) for s, t in zip(tail, (geom.heads, geom.Lq, geom.Lk)))
     fits_lead = len(lead) <= len(batch_shape) and all(
