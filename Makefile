@@ -10,11 +10,14 @@ $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
 	touch $@
 
-$(VENV)/.demo: $(VENV)/.created pyproject.toml constraints.txt
+# The editable install builds the native kernel once: a change to its sources installs again.
+INSTALL_INPUTS := pyproject.toml constraints.txt CMakeLists.txt $(wildcard csrc/*)
+
+$(VENV)/.demo: $(VENV)/.created $(INSTALL_INPUTS)
 	$(PIP) -e ".[torch,cpu]"
 	touch $@
 
-$(VENV)/.dev: $(VENV)/.created pyproject.toml constraints.txt
+$(VENV)/.dev: $(VENV)/.created $(INSTALL_INPUTS)
 	$(PIP) -e ".[dev]"
 	touch $@ $(VENV)/.demo
 
