@@ -27,13 +27,13 @@ def make(kind, num_heads=4, num_kv_heads=None, bias=True, seed=0):
     return mha, (lambda x: torch.tensor(x)), (lambda x: x.detach().numpy())
 
 
-def decode(mha, to, x, chunks, max_len=None, mask_for=None):
-    """Run x (B, L, d_model) through the cache in chunks; the concatenated outputs as NumPy."""
+def decode(mha, to, x, chunks, max_len=None, mask_for=None, score_mod=None):
+    """Run x (B, L, d_model) through the cache in chunks; the outputs of every chunk, and the cache."""
     cache = mha.init_cache(x.shape[0], max_len or x.shape[1])
     outs, start = [], 0
     for n in chunks:
         mask = None if mask_for is None else mask_for(start, start + n)
-        outs.append(mha(to(x[:, start:start + n]), mask=mask, cache=cache)[0])
+        outs.append(mha(to(x[:, start:start + n]), mask=mask, cache=cache, score_mod=score_mod)[0])
         start += n
         assert cache.length == start
     return outs, cache
@@ -96,6 +96,86 @@ def test_user_masks_combine_with_the_cache(kind):
     full = back(mha(to(x), mask=to(bias + causal_bias))[0])
     outs, _ = decode(mha, to, x, [4, 3, 1, 1], mask_for=lambda a, b: to(bias[:, :, a:b, :b].copy()))
     np.testing.assert_allclose(np.concatenate([back(o) for o in outs], axis=1), full, rtol=1e-10, atol=1e-12)
+
+
+def score_mods_under_test(to):
+    slopes = to(np.array([0.5, 0.25, 0.125, 0.0625]))
+    return {"alibi": qkv.alibi(slopes), "softcap": qkv.softcap(0.7),
+            "alibi then softcap": [qkv.alibi(slopes), qkv.softcap(0.7)]}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", ["alibi", "softcap", "alibi then softcap"])
+def test_score_mods_combine_with_the_cache(kind, name):
+    """ALiBi is aligned bottom-right like the cache's causal mask; with a float bias mask the bias
+    comes first, then the modifiers, in the cached steps as in the full pass."""
+    mha, to, back = make(kind, num_kv_heads=2, seed=7)
+    score_mod = score_mods_under_test(to)[name]
+    B, L = 2, 9
+    x = np.random.default_rng(8).standard_normal((B, L, D_MODEL))
+    full = back(mha(to(x), mask=qkv.causal(), score_mod=score_mod)[0])
+    outs, _ = decode(mha, to, x, [5, 1, 2, 1], score_mod=score_mod)
+    np.testing.assert_allclose(np.concatenate([back(o) for o in outs], axis=1), full, rtol=1e-10, atol=1e-12)
+
+    bias = np.random.default_rng(9).standard_normal((B, 4, L, L))
+    causal_bias = np.where(causal_allowed(L, L), 0.0, -np.inf)
+    full = back(mha(to(x), mask=to(bias + causal_bias), score_mod=score_mod)[0])
+    outs, _ = decode(mha, to, x, [4, 3, 1, 1], mask_for=lambda a, b: to(bias[:, :, a:b, :b].copy()),
+                     score_mod=score_mod)
+    np.testing.assert_allclose(np.concatenate([back(o) for o in outs], axis=1), full, rtol=1e-10, atol=1e-12)
+
+
+def test_query_wider_than_the_cache_is_refused_not_rounded():
+    """Uncached, NumPy promotes a float64 query through float32 weights to float64; the float32
+    cache cannot widen, so the cached call refuses the query, naming both dtypes."""
+    mha = NumpyMHA(D_MODEL, 4, num_kv_heads=2, bias=True, rng=0, dtype=np.float32)
+    x = np.random.default_rng(1).standard_normal((2, 5, D_MODEL))  # float64
+    assert mha(x)[0].dtype == np.float64
+    cache = mha.init_cache(2, 8)
+    with pytest.raises(TypeError, match=r"query has dtype float64 but the cache holds float32 .*"
+                                        r"convert the query to float32"):
+        mha(x, cache=cache)
+    assert cache.length == 0
+    out = mha(x.astype(np.float32), cache=cache)[0]
+    assert out.dtype == np.float32 and cache.length == 5
+
+
+def test_narrower_query_promotes_into_the_cache_as_without_one():
+    mha = NumpyMHA(D_MODEL, 4, num_kv_heads=2, bias=True, rng=0)  # float64
+    x = np.random.default_rng(2).standard_normal((2, 7, D_MODEL)).astype(np.float32)
+    full = mha(x, mask=qkv.causal())[0]
+    outs, _ = decode(mha, lambda a: a, x, [4, 1, 2])
+    got = np.concatenate(outs, axis=1)
+    assert got.dtype == full.dtype == np.float64
+    np.testing.assert_allclose(got, full, rtol=1e-10, atol=1e-12)
+    want = reference_mha(x.astype(np.float64), x, x, mha.state_dict(), 4, 2, allowed=causal_allowed(7, 7))[0]
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_float32_decoding_within_the_tolerance_rule():
+    mha = NumpyMHA(D_MODEL, 4, num_kv_heads=2, bias=True, rng=3, dtype=np.float32)
+    x = np.random.default_rng(3).standard_normal((2, 9, D_MODEL)).astype(np.float32)
+    outs, cache = decode(mha, lambda a: a, x, [5, 1, 2, 1])
+    got = np.concatenate(outs, axis=1)
+    assert got.dtype == cache.keys.dtype == np.float32
+    allowed = causal_allowed(9, 9)
+    want = reference_mha(x.astype(np.float64), x, x, mha.state_dict(), 4, 2, allowed=allowed)[0]
+    formula32 = reference_mha(x, x, x, mha.state_dict(), 4, 2, allowed=allowed)[0]
+    err, ref_err = np.abs(got - want).max(), np.abs(formula32 - want).max()
+    assert err <= 2 * ref_err + 2e-6, (err, ref_err)
+
+
+def test_torch_module_converted_after_its_cache_was_made():
+    torch = pytest.importorskip("torch")
+    import qkv.torch as qt
+
+    mha = qt.MultiHeadAttention(16, 4)
+    cache = mha.init_cache(1, 4)  # float32
+    mha.double()
+    with torch.no_grad(), pytest.raises(TypeError, match="query has dtype torch.float64 but the cache holds "
+                                                         "torch.float32"):
+        mha(torch.zeros(1, 2, 16, dtype=torch.float64), cache=cache)
+    assert cache.length == 0
 
 
 @pytest.mark.parametrize("kind", KINDS)

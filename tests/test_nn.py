@@ -65,6 +65,30 @@ def test_split_and_combine_heads():
         mha.split_heads(x, 3)
 
 
+@pytest.mark.parametrize("method,shape,match", [
+    ("split_heads", (2, 5, 10), r"split_heads expects x of shape \(batch, length, 12\): 3 heads of depth 4 "
+                                r"= d_model // num_heads \(d_model=12, num_heads=3\); got \(2, 5, 10\)"),
+    ("split_heads", (5, 12), r"split_heads expects x of shape \(batch, length, 12\).*got \(5, 12\)"),
+    ("combine_heads", (2, 5, 12), r"combine_heads expects x of shape \(batch, heads, length, depth=4\).*"
+                                  r"got \(2, 5, 12\)"),
+    ("combine_heads", (2, 3, 5, 3), r"combine_heads expects x .* \(d_model=12, num_heads=3\); got \(2, 3, 5, 3\)"),
+])
+def test_split_and_combine_heads_refuse_the_wrong_shape(method, shape, match):
+    mha = MultiHeadAttention(12, 3, rng=0)
+    with pytest.raises(ValueError, match=match):
+        getattr(mha, method)(np.zeros(shape))
+
+
+def test_split_heads_errors_name_heads_and_the_argument():
+    mha = MultiHeadAttention(12, 3, num_kv_heads=1, rng=0)
+    with pytest.raises(ValueError, match=r"\(batch, length, 4\): 1 heads of depth 4"):
+        mha.split_heads(np.zeros((2, 5, 12)), heads=1)
+    with pytest.raises(ValueError, match="heads must be a positive integer"):
+        mha.split_heads(np.zeros((2, 5, 12)), heads=0)
+    with pytest.raises(TypeError, match="split_heads expects x as a numpy.ndarray or torch.Tensor, got list"):
+        mha.split_heads([[0.0] * 12])
+
+
 # ---- grown up ------------------------------------------------------------------------------
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (4, 1)])
 @pytest.mark.parametrize("bias", [False, True])
@@ -151,6 +175,74 @@ def test_float32_inputs_follow_numpy_promotion_and_float32_module():
     formula32 = reference_mha(x, x, x, mha32.state_dict(), 4, allowed=causal_allowed(5, 5))[0]
     err, ref_err = np.abs(out32 - want).max(), np.abs(formula32 - want).max()
     assert err <= 2 * ref_err + 2e-6
+
+
+def test_float16_module_within_the_tolerance_rule():
+    rng = np.random.default_rng(4)
+    mha = MultiHeadAttention(16, 4, rng=rng, dtype=np.float16)
+    x = randn(rng, 2, 7, 16).astype(np.float16)
+    out = mha(x, mask=qkv.causal())[0]
+    assert out.dtype == np.float16
+    allowed = causal_allowed(7, 7)
+    want = reference_mha(x.astype(np.float64), x, x, mha.state_dict(), 4, allowed=allowed)[0]
+    formula16 = reference_mha(x, x, x, mha.state_dict(), 4, allowed=allowed)[0]
+    err, ref_err = np.abs(out - want).max(), np.abs(formula16.astype(np.float64) - want).max()
+    assert err <= 2 * ref_err + 2e-3, (err, ref_err)
+
+
+@pytest.mark.parametrize("dtype,shown", [
+    (np.longdouble, np.dtype(np.longdouble).name), (np.int32, "int32"), (np.complex128, "complex128"),
+    ("bogus", "'bogus'"),
+])
+def test_unsupported_dtype_is_refused_by_the_constructor(dtype, shown):
+    with pytest.raises(TypeError, match=rf"dtype must be one of float64, float32, float16, got {shown}$"):
+        MultiHeadAttention(16, 4, dtype=dtype)
+
+
+# ---- score modifiers -----------------------------------------------------------------------
+def score_mods_under_test():
+    slopes = np.array([0.5, 0.25, 0.125, 0.0625])
+    return {"alibi": qkv.alibi(slopes), "softcap": qkv.softcap(0.7),
+            "alibi then softcap": [qkv.alibi(slopes), qkv.softcap(0.7)]}
+
+
+def heads_by_hand(mha, x, kv, mask, score_mod):
+    """The module's projections written out, then the float64 reference qkv.attention."""
+    state = mha.state_dict()
+    B, Lq, Lk = x.shape[0], x.shape[1], kv.shape[1]
+    H, Hkv, d = mha.num_heads, mha.num_kv_heads, mha.depth
+    q = (x @ state["W_q"] + state["b_q"]).reshape(B, Lq, H, d).transpose(0, 2, 1, 3)  # (B, H, Lq, d)
+    k = (kv @ state["W_k"] + state["b_k"]).reshape(B, Lk, Hkv, d).transpose(0, 2, 1, 3)  # (B, Hkv, Lk, d)
+    v = (kv @ state["W_v"] + state["b_v"]).reshape(B, Lk, Hkv, d).transpose(0, 2, 1, 3)
+    heads = qkv.attention(q, k, v, mask, score_mod=score_mod, backend="reference")  # (B, H, Lq, d)
+    out = heads.transpose(0, 2, 1, 3).reshape(B, Lq, H * d) @ state["W_o"] + state["b_o"]
+    return out, qkv.attention_weights(q, k, mask, score_mod=score_mod)
+
+
+@pytest.mark.parametrize("name", list(score_mods_under_test()))
+@pytest.mark.parametrize("mask", [None, "causal", "float bias"])
+def test_score_mod_equals_functional_attention(name, mask):
+    score_mod = score_mods_under_test()[name]
+    rng = np.random.default_rng(8)
+    mha = MultiHeadAttention(16, 4, num_kv_heads=2, bias=True, rng=rng)
+    mha.load_state_dict({n: randn(rng, *v.shape) * 0.5 for n, v in mha.state_dict().items()})
+    x, kv = randn(rng, 2, 5, 16), randn(rng, 2, 7, 16)
+    mask = {None: None, "causal": qkv.causal(), "float bias": randn(rng, 2, 4, 5, 7)}[mask]
+    out, w = mha(x, kv, mask=mask, score_mod=score_mod, need_weights=True)
+    want_out, want_w = heads_by_hand(mha, x, kv, mask, score_mod)
+    np.testing.assert_allclose(out, want_out, **TIGHT)
+    np.testing.assert_allclose(w, want_w, **TIGHT)
+    plain = mha(x, kv, mask=mask)[0]
+    assert np.abs(out - plain).max() > 1e-3  # the modifier did something
+
+
+def test_score_modifier_given_as_mask_points_to_score_mod():
+    mha = MultiHeadAttention(16, 4, rng=0)
+    x = np.zeros((1, 3, 16))
+    with pytest.raises(TypeError, match="pass it as score_mod="):
+        mha(x, mask=qkv.softcap(1.0))
+    with pytest.raises(TypeError, match="score_mod must be a qkv score modifier"):
+        mha(x, score_mod=qkv.causal())
 
 
 # ---- state dict ----------------------------------------------------------------------------

@@ -48,6 +48,31 @@ def test_same_outputs_as_numpy_module(num_kv_heads, bias):
     np.testing.assert_array_equal(back(x)[0], np_mha(x)[0])
 
 
+@pytest.mark.parametrize("on_meta", [False, True])
+def test_load_state_dict_with_assign_casts_to_the_module_dtype(on_meta):
+    rng = np.random.default_rng(12)
+    state = {n: rng.standard_normal(v.shape) * 0.3 for n, v in NumpyMHA(16, 4, bias=True).state_dict().items()}
+    with torch.device("meta" if on_meta else "cpu"):
+        mha = qt.MultiHeadAttention(16, 4, bias=True)  # float32
+    mha.load_state_dict(state, assign=True)  # float64 NumPy arrays
+    for name, param in mha.named_parameters():
+        assert isinstance(param, torch.nn.Parameter) and param.requires_grad, name
+        assert param.dtype == torch.float32 and param.device.type == "cpu", name
+        np.testing.assert_array_equal(param.detach().numpy(), state[name].astype(np.float32))
+    copied = qt.MultiHeadAttention(16, 4, bias=True)
+    copied.load_state_dict(state)
+    x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(1))
+    out = mha(x, mask=qkv.causal())[0]
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, copied(x, mask=qkv.causal())[0], rtol=0, atol=0)
+    x64, allowed = x.double().numpy(), causal_allowed(6, 6)
+    state32 = mha.numpy_state_dict()
+    want = reference_mha(x64, x64, x64, state32, 4, allowed=allowed)[0]
+    formula32 = reference_mha(x.numpy(), x.numpy(), x.numpy(), state32, 4, allowed=allowed)[0]
+    err, ref_err = np.abs(np64(out) - want).max(), np.abs(formula32 - want).max()
+    assert err <= 2 * ref_err + 2e-6, (err, ref_err)
+
+
 def test_state_dict_keys_match_and_numpy_state_dict():
     mha = qt.MultiHeadAttention(16, 4, num_kv_heads=2, bias=True)
     np_mha = NumpyMHA(16, 4, num_kv_heads=2, bias=True)
@@ -71,14 +96,15 @@ def test_float32_within_the_tolerance_rule():
     assert err <= 2 * ref_err + 2e-6, (err, ref_err)
 
 
-def literal_forward(mha, x, allowed):
-    """The formula in torch ops (autograd), for gradients: self-attention, GQA, biases."""
+def literal_forward(mha, x, allowed, modify=lambda s: s):
+    """The formula in torch ops (autograd), for gradients: self-attention, GQA, biases, and
+    `modify` applied to the scaled scores (a score modifier written out)."""
     B, L, E = x.shape
     H, Hkv, d = mha.num_heads, mha.num_kv_heads, mha.depth
     q = (x @ mha.W_q + mha.b_q).reshape(B, L, H, d).transpose(1, 2)
     k = (x @ mha.W_k + mha.b_k).reshape(B, L, Hkv, d).transpose(1, 2).repeat_interleave(H // Hkv, 1)
     v = (x @ mha.W_v + mha.b_v).reshape(B, L, Hkv, d).transpose(1, 2).repeat_interleave(H // Hkv, 1)
-    s = (q @ k.transpose(-1, -2) / d ** 0.5).masked_fill(~allowed, float("-inf"))
+    s = modify(q @ k.transpose(-1, -2) / d ** 0.5).masked_fill(~allowed, float("-inf"))
     out = (torch.softmax(s, -1) @ v).transpose(1, 2).reshape(B, L, H * d)
     return out @ mha.W_o + mha.b_o
 
@@ -119,8 +145,68 @@ def test_dropout():
     torch.testing.assert_close(dropped, again)  # dropout follows torch's generator
     mha.dropout = 0.0
     torch.testing.assert_close(mha(x)[0], plain)
-    with pytest.raises(ValueError, match="dropout_p must be a number in"):
+
+def test_dropout_errors_name_the_argument():
+    with pytest.raises(ValueError, match=r"^dropout must be a number in \[0, 1\), got 1\.0$"):
         qt.MultiHeadAttention(16, 4, dropout=1.0)
+    mha = qt.MultiHeadAttention(16, 4, dropout=0.25)
+    with pytest.raises(ValueError, match=r"^dropout must be a number in \[0, 1\), got -0\.5$"):
+        mha.dropout = -0.5
+    assert mha.dropout == 0.25  # the refused value was not kept
+    mha.dropout = 0.5
+    assert mha.dropout == 0.5 and "dropout=0.5" in repr(mha)
+
+
+def score_mods_under_test():
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64)
+    return {"alibi": qkv.alibi(slopes), "softcap": qkv.softcap(0.7),
+            "alibi then softcap": [qkv.alibi(slopes), qkv.softcap(0.7)]}
+
+
+def heads_by_hand(mha, x, kv, mask, score_mod):
+    """The module's projections written out, then the float64 reference qkv.attention."""
+    B, Lq, Lk = x.shape[0], x.shape[1], kv.shape[1]
+    H, Hkv, d = mha.num_heads, mha.num_kv_heads, mha.depth
+    q = (x @ mha.W_q + mha.b_q).reshape(B, Lq, H, d).transpose(1, 2)  # (B, H, Lq, d)
+    k = (kv @ mha.W_k + mha.b_k).reshape(B, Lk, Hkv, d).transpose(1, 2)  # (B, Hkv, Lk, d)
+    v = (kv @ mha.W_v + mha.b_v).reshape(B, Lk, Hkv, d).transpose(1, 2)
+    heads = qkv.attention(q, k, v, mask, score_mod=score_mod, backend="reference")  # (B, H, Lq, d)
+    out = heads.transpose(1, 2).reshape(B, Lq, H * d) @ mha.W_o + mha.b_o
+    return out, qkv.attention_weights(q, k, mask, score_mod=score_mod)
+
+
+@pytest.mark.parametrize("name", list(score_mods_under_test()))
+@pytest.mark.parametrize("mask", [None, "causal", "float bias"])
+def test_score_mod_equals_functional_attention(name, mask):
+    score_mod = score_mods_under_test()[name]
+    torch.manual_seed(2)
+    mha = qt.MultiHeadAttention(16, 4, num_kv_heads=2, bias=True, dtype=torch.float64)
+    with torch.no_grad():
+        for param in mha.parameters():
+            param.normal_(0.0, 0.5)
+    x, kv = torch.randn(2, 5, 16, dtype=torch.float64), torch.randn(2, 7, 16, dtype=torch.float64)
+    mask = {None: None, "causal": qkv.causal(), "float bias": torch.randn(2, 4, 5, 7, dtype=torch.float64)}[mask]
+    with torch.no_grad():
+        out, w = mha(x, kv, mask=mask, score_mod=score_mod, need_weights=True)
+        want_out, want_w = heads_by_hand(mha, x, kv, mask, score_mod)
+        plain = mha(x, kv, mask=mask)[0]
+    torch.testing.assert_close(out, want_out, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(w, want_w, rtol=1e-10, atol=1e-12)
+    assert (out - plain).abs().max() > 1e-3  # the modifier did something
+
+
+def test_score_mod_gradients_match_the_literal_formula():
+    torch.manual_seed(4)
+    mha = qt.MultiHeadAttention(16, 4, num_kv_heads=2, bias=True, dtype=torch.float64)
+    x = torch.randn(2, 5, 16, dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(2, 5, 16, dtype=torch.float64)
+    out = mha(x, mask=qkv.causal(), score_mod=qkv.softcap(0.7))[0]
+    got = torch.autograd.grad(out, [x, *mha.parameters()], grad_out)
+    want_out = literal_forward(mha, x, torch.tensor(causal_allowed(5, 5)), lambda s: 0.7 * torch.tanh(s / 0.7))
+    want = torch.autograd.grad(want_out, [x, *mha.parameters()], grad_out)
+    torch.testing.assert_close(out, want_out, rtol=1e-10, atol=1e-12)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-11)
 
 
 def test_input_errors():

@@ -27,6 +27,8 @@ class KVCache:
     Create one with ``module.init_cache(batch_size, max_len)``. Writing happens in two
     steps, ``stage`` then ``commit``, so a call that fails in between leaves the cache as
     it was. With torch, decode under ``torch.no_grad()``: the cache is written in place.
+    The arrays keep the dtype they were made with (the module's): new keys and values must
+    have it, as they are never cast (the modules refuse a query that would need a cast).
     """
 
     def __init__(self, keys, values):

@@ -102,15 +102,30 @@ class AttentionCore:
         ``batch_size`` is read from x; it is accepted (and checked) for the seed's
         ``split_heads(x, batch_size)``.
         """
-        heads = self.num_heads if heads is None else heads
-        B, L = x.shape[0], x.shape[1]
-        _check_batch_size(batch_size, B)
-        return x.reshape(B, L, heads, self.depth).swapaxes(1, 2)  # (B, heads, L, depth)
+        heads = self.num_heads if heads is None else inputs.check_positive_int("heads", heads)
+        width = heads * self.depth
+        _check_heads_input("split_heads", x, 3, width,
+                           f"(batch, length, {width}): {heads} heads of depth {self.depth} = d_model // num_heads "
+                           f"(d_model={self.d_model}, num_heads={self.num_heads})")
+        _check_batch_size(batch_size, x.shape[0])
+        return self._split_heads(x, heads)
 
     def combine_heads(self, x, batch_size=None):
         """(B, H, L, depth) -> (B, L, H*depth): the heads side by side again."""
+        _check_heads_input("combine_heads", x, 4, self.depth,
+                           f"(batch, heads, length, depth={self.depth}), depth = d_model // num_heads "
+                           f"(d_model={self.d_model}, num_heads={self.num_heads})")
+        _check_batch_size(batch_size, x.shape[0])
+        return self._combine_heads(x)
+
+    # The unchecked forms, for the module's own arrays (whose shapes it made).
+    def _split_heads(self, x, heads):
+        B, L = x.shape[0], x.shape[1]
+        return x.reshape(B, L, heads, self.depth).swapaxes(1, 2)  # (B, heads, L, depth)
+
+    @staticmethod
+    def _combine_heads(x):
         B, H, L, depth = x.shape
-        _check_batch_size(batch_size, B)
         return x.swapaxes(1, 2).reshape(B, L, H * depth)  # (B, L, H*depth)
 
     def _project(self, x, which: str):
@@ -139,21 +154,20 @@ class AttentionCore:
         """
         return KVCache.empty(batch_size, self.num_kv_heads, max_len, self.depth, like=self.W_k)
 
-    def _attend(self, query, key, value, mask, need_weights, cache, dropout_p):
+    def _attend(self, query, key, value, mask, need_weights, cache, dropout_p, score_mod):
         """(output (B, Lq, d_model), weights (B, Hq, Lq, Lk) or None)."""
         query, key, value = self._check_inputs(query, key, value, cache)
-        q = self.split_heads(self._project(query, "q"))  # (B, Hq, Lq, depth)
-        k = self.split_heads(self._project(key, "k"), heads=self.num_kv_heads)  # (B, Hkv, Lk, depth)
-        v = self.split_heads(self._project(value, "v"), heads=self.num_kv_heads)  # (B, Hkv, Lk, depth)
-        score_mod = None
+        q = self._split_heads(self._project(query, "q"), self.num_heads)  # (B, Hq, Lq, depth)
+        k = self._split_heads(self._project(key, "k"), self.num_kv_heads)  # (B, Hkv, Lk, depth)
+        v = self._split_heads(self._project(value, "v"), self.num_kv_heads)  # (B, Hkv, Lk, depth)
         if cache is not None:
             k, v = cache.stage(k, v)  # (B, Hkv, length + Lq, depth): cached and new positions
-            mask, score_mod = _with_causal(mask, q)
+            mask, score_mod = _with_causal(mask, score_mod, q)
         heads = attention(q, k, v, mask, score_mod=score_mod, dropout_p=dropout_p)  # (B, Hq, Lq, depth)
         weights = attention_weights(q, k, mask, score_mod=score_mod) if need_weights else None
         if cache is not None:
             cache.commit(q.shape[2])
-        output = self._project(self.combine_heads(heads), "o")  # (B, Lq, d_model)
+        output = self._project(self._combine_heads(heads), "o")  # (B, Lq, d_model)
         return output, weights
 
     def _check_inputs(self, query, key, value, cache):
@@ -167,7 +181,7 @@ class AttentionCore:
         value = key if value is None else value
         self._check_input("query", query)
         if key is query and value is query:  # self-attention passes one array three times: checked once
-            self._check_cache_batch(query, cache)
+            self._check_cache(query, cache)
             return query, key, value
         if key is not query:
             self._check_input("key", key)
@@ -179,14 +193,22 @@ class AttentionCore:
         if tuple(value.shape[:2]) != tuple(key.shape[:2]):
             raise ValueError(f"key and value must have the same (batch, length); got key {tuple(key.shape)}, "
                              f"value {tuple(value.shape)}")
-        self._check_cache_batch(query, cache)
+        self._check_cache(query, cache)
         return query, key, value
 
-    @staticmethod
-    def _check_cache_batch(query, cache):
-        if cache is not None and query.shape[0] != cache.batch_size:
+    def _check_cache(self, query, cache):
+        if cache is None:
+            return
+        if query.shape[0] != cache.batch_size:
             raise ValueError(f"query has batch size {query.shape[0]} but the cache was made for "
                              f"batch_size={cache.batch_size}")
+        # An uncached call promotes (a float64 query through float32 weights gives float64), but
+        # the cache was allocated up front and cannot widen: refuse rather than round the new keys
+        # and values down to the cache's dtype.
+        if _projected_dtype(query, self.W_k) != cache.keys.dtype:
+            raise TypeError(f"query has dtype {query.dtype} but the cache holds {cache.keys.dtype} (init_cache "
+                            f"makes it in the module's dtype); convert the query to {cache.keys.dtype}, or "
+                            f"build the module and its cache in {query.dtype}")
 
     def _check_input(self, name, x):
         kind = _arrays.kind_of(x)
@@ -217,24 +239,51 @@ class AttentionCore:
 _KIND_NAMES = {"numpy": "numpy.ndarray", "torch": "torch.Tensor"}
 
 
+def _check_heads_input(method, x, ndim, last, shape_text):
+    if _arrays.kind_of(x) is None:
+        raise TypeError(f"{method} expects x as a numpy.ndarray or torch.Tensor, got {type(x).__name__}")
+    if x.ndim != ndim or x.shape[-1] != last:
+        raise ValueError(f"{method} expects x of shape {shape_text}; got {tuple(x.shape)}")
+
+
+def _projected_dtype(x, weight):
+    """The dtype of x @ weight: NumPy promotes; the torch module has required x.dtype == weight.dtype."""
+    return np.result_type(x.dtype, weight.dtype) if isinstance(x, np.ndarray) else x.dtype
+
+
 def _check_batch_size(batch_size, actual):
     if batch_size is not None and batch_size != actual:
         raise ValueError(f"batch_size ({batch_size}) does not match the batch dim of x ({actual})")
 
 
-def _with_causal(mask, q):
+def _with_causal(mask, score_mod, q):
     """The user's mask (any of the mask language) and the bottom-right causal mask, for a cached call.
 
-    Returns (mask, score_mod): a float mask is an additive bias, so it travels as a score modifier.
+    Returns (mask, score_mod): a float mask is an additive bias, so it travels as a score modifier,
+    ahead of the user's own ones (the order qkv.attention applies them in for an uncached call).
     """
     if mask is None:  # every decoding step without a mask of its own
-        return _CAUSAL, None
+        return _CAUSAL, score_mod
     mask_obj, biases = inputs.as_mask(mask, _arrays.kind_of(q), inputs.dtype_name(q))
     combined = _CAUSAL if mask_obj is None else _CAUSAL & mask_obj
-    return combined, (list(biases) or None)
+    return combined, (list(biases) + list(inputs.as_score_mods(score_mod)) or None)
 
 
 _CAUSAL = causal()  # masks are immutable: one serves every call
+
+#: The dtypes the NumPy module can hold: those of qkv.attention that NumPy has (it has no bfloat16).
+_NUMPY_DTYPES = ("float64", "float32", "float16")
+
+
+def _numpy_dtype(dtype) -> np.dtype:
+    """`dtype` as a np.dtype, or TypeError unless it is one of _NUMPY_DTYPES."""
+    try:
+        resolved = np.dtype(dtype)
+    except TypeError:  # not a NumPy dtype at all (a torch dtype, a typo...)
+        raise TypeError(f"dtype must be one of {', '.join(_NUMPY_DTYPES)}, got {dtype!r}") from None
+    if resolved.name not in _NUMPY_DTYPES:
+        raise TypeError(f"dtype must be one of {', '.join(_NUMPY_DTYPES)}, got {resolved}")
+    return resolved
 
 
 class MultiHeadAttention(AttentionCore):
@@ -246,7 +295,7 @@ class MultiHeadAttention(AttentionCore):
         num_kv_heads: key/value heads (grouped-query attention); num_heads must be a
             multiple of it. None (default) means num_heads (plain multi-head attention).
         bias: add biases b_q, b_k, b_v, b_o (zeros at start).
-        dtype: the parameters' dtype (float64, as in the seed).
+        dtype: the parameters' dtype: float64 (as in the seed), float32 or float16.
         rng: None draws with ``np.random.randn`` (the global generator, as the seed did);
             an int or ``np.random.Generator`` draws from ``np.random.default_rng(rng)``.
 
@@ -261,9 +310,7 @@ class MultiHeadAttention(AttentionCore):
 
     def __init__(self, d_model, num_heads, num_kv_heads=None, bias=False, *, dtype=np.float64, rng=None):
         self._configure(d_model, num_heads, num_kv_heads, bias)
-        self.dtype = np.dtype(dtype)
-        if not np.issubdtype(self.dtype, np.floating):
-            raise TypeError(f"dtype must be a floating dtype, got {self.dtype}")
+        self.dtype = _numpy_dtype(dtype)
         self.reset_parameters(rng)
 
     def reset_parameters(self, rng=None):
@@ -276,10 +323,10 @@ class MultiHeadAttention(AttentionCore):
             value = np.zeros(shape) if name.startswith("b_") else draw(shape) * init_std(self.d_model)
             setattr(self, name, value.astype(self.dtype))
 
-    def __call__(self, query, key=None, value=None, mask=None, need_weights=False, cache=None):
-        return self.forward(query, key, value, mask, need_weights, cache)
+    def __call__(self, query, key=None, value=None, mask=None, need_weights=False, cache=None, *, score_mod=None):
+        return self.forward(query, key, value, mask, need_weights, cache, score_mod=score_mod)
 
-    def forward(self, query, key=None, value=None, mask=None, need_weights=False, cache=None):
+    def forward(self, query, key=None, value=None, mask=None, need_weights=False, cache=None, *, score_mod=None):
         """Attention of query over key/value; returns (output, weights or None).
 
         Args:
@@ -291,11 +338,18 @@ class MultiHeadAttention(AttentionCore):
             need_weights: also return the attention weights (B, num_heads, Lq, Lk).
             cache: a KVCache from ``init_cache``: self-attention over the cached tokens and
                 these ones, with the bottom-right causal mask (combined with ``mask``).
+                The cache holds the module's dtype. Without a cache NumPy promotes (a float64
+                query through float32 weights gives float64); a cache cannot widen, so a query
+                that would promote past it is refused (TypeError) rather than rounded down:
+                pass ``query.astype(module.dtype)``.
+            score_mod: a score modifier (``qkv.alibi(slopes)``, ``qkv.softcap(cap)``,
+                ``qkv.score_fn(fn)``) or a list of them, applied to the scaled scores after a
+                float ``mask``, as in ``qkv.attention``.
 
         Returns:
             output (B, Lq, d_model) and weights (B, num_heads, Lq, Lk) or None.
         """
-        return self._attend(query, key, value, mask, need_weights, cache, dropout_p=0.0)
+        return self._attend(query, key, value, mask, need_weights, cache, 0.0, score_mod)
 
     def state_dict(self) -> dict:
         """{name: copy of the parameter}; keys as in ``parameter_shapes`` (the torch module's too)."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -32,7 +31,8 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         num_heads: query heads; depth = d_model // num_heads.
         num_kv_heads: key/value heads (grouped-query attention); None means num_heads.
         bias: add biases b_q, b_k, b_v, b_o (zeros at start).
-        dropout: probability of dropping an attention weight while training.
+        dropout: probability of dropping an attention weight while training, in [0, 1)
+            (checked again whenever ``module.dropout`` is set).
         device, dtype: of the parameters.
 
     Parameters W_q (E, H*depth), W_k and W_v (E, Hkv*depth), W_o (H*depth, E) are applied
@@ -49,7 +49,7 @@ class MultiHeadAttention(AttentionCore, nn.Module):
     def __init__(self, d_model, num_heads, num_kv_heads=None, bias=False, dropout=0.0, *, device=None, dtype=None):
         nn.Module.__init__(self)
         self._configure(d_model, num_heads, num_kv_heads, bias)
-        self.dropout = inputs.check_dropout(dropout, None)[0]
+        self.dropout = dropout
         for name, shape in self._shapes().items():
             self.register_parameter(name, nn.Parameter(torch.empty(shape, device=device, dtype=dtype)))
         self.reset_parameters()
@@ -63,7 +63,19 @@ class MultiHeadAttention(AttentionCore, nn.Module):
                 else:
                     param.normal_(0.0, init_std(self.d_model))
 
-    def forward(self, query, key=None, value=None, mask=None, need_weights=False, cache=None):
+    @property
+    def dropout(self) -> float:
+        return self._dropout
+
+    @dropout.setter
+    def dropout(self, dropout):
+        # inputs.check_dropout holds the rule; its message names qkv.attention's dropout_p
+        try:
+            self._dropout = inputs.check_dropout(dropout, None)[0]
+        except ValueError:
+            raise ValueError(f"dropout must be a number in [0, 1), got {dropout!r}") from None
+
+    def forward(self, query, key=None, value=None, mask=None, need_weights=False, cache=None, *, score_mod=None):
         """Attention of query over key/value; returns (output, weights or None).
 
         Args:
@@ -76,13 +88,17 @@ class MultiHeadAttention(AttentionCore, nn.Module):
             need_weights: also return the attention weights (B, H, L, S), before dropout.
             cache: a KVCache from ``init_cache``: self-attention over the cached tokens and
                 these ones, with the bottom-right causal mask (combined with ``mask``).
-                Decode under ``torch.no_grad()``: the cache is written in place.
+                Decode under ``torch.no_grad()``: the cache is written in place. The cache
+                holds the module's dtype (query must have it too).
+            score_mod: a score modifier (``qkv.alibi(slopes)``, ``qkv.softcap(cap)``,
+                ``qkv.score_fn(fn)``) or a list of them, applied to the scaled scores after a
+                float ``mask``, as in ``qkv.attention``.
 
         Returns:
             output (B, L, E) and weights (B, H, L, S) or None.
         """
         dropout_p = self.dropout if self.training else 0.0
-        return self._attend(query, key, value, mask, need_weights, cache, dropout_p)
+        return self._attend(query, key, value, mask, need_weights, cache, dropout_p, score_mod)
 
     def _check_dtype(self, name, x):
         if x.dtype != self.W_q.dtype:
@@ -91,10 +107,16 @@ class MultiHeadAttention(AttentionCore, nn.Module):
 
     def load_state_dict(self, state_dict, strict=True, assign=False):
         """Load parameters from torch tensors or NumPy arrays (e.g. the NumPy module's
-        state_dict), cast to this module's dtype and device. Keys and shapes must match."""
+        state_dict), cast to this module's dtype and device. Keys and shapes must match.
+
+        With ``assign=True`` the cast tensors become the parameters (no copy where a tensor
+        already has the module's dtype and device); a module on the meta device takes the
+        tensors' device, as torch's ``assign=True`` is meant for.
+        """
         if strict:
             check_state_dict(state_dict, self._shapes())
-        tensors = {name: torch.as_tensor(value) if isinstance(value, np.ndarray) else value
+        params = dict(self.named_parameters(recurse=False))
+        tensors = {name: _cast_like(value, params[name]) if name in params else value
                    for name, value in state_dict.items()}
         return super().load_state_dict(tensors, strict=strict, assign=assign)
 
@@ -127,6 +149,12 @@ class MultiHeadAttention(AttentionCore, nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self._config_repr()}, dropout={self.dropout}"
+
+
+def _cast_like(value, param):
+    """`value` (tensor or NumPy array) in param's dtype and, unless param is on meta, its device."""
+    device = None if param.is_meta else param.device
+    return torch.as_tensor(value).to(dtype=param.dtype, device=device)
 
 
 def _check_convertible(module):

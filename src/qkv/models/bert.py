@@ -114,39 +114,51 @@ class BertEncoder(nn.Module):
         return x, (all_weights if need_weights else None)
 
     def load_checkpoint(self, state: dict) -> None:
-        """Load a BERT checkpoint's tensors (names as in BertModel's state_dict)."""
+        """Load a BERT checkpoint's tensors (names as in BertModel's state_dict; extra ones are ignored).
+
+        Values are torch tensors of any float dtype (bfloat16 included) or NumPy arrays, cast to
+        the encoder's dtype. A checkpoint that lacks a tensor the encoder needs is a ValueError
+        naming it.
+        """
         self.load_state_dict(_rename(state, len(self.layers)), strict=True)
 
 
 def _rename(state: dict, n_layers: int) -> dict:
     """BertModel names -> this module's names. Linear weights (out, in) become x @ W matrices (in, out)."""
-    take = lambda name: torch.as_tensor(np.asarray(state[name]))  # noqa: E731
-    missing = [name for name in _expected_names(n_layers) if name not in state]
+    names = _name_map(n_layers)
+    missing = [theirs for _, theirs, _ in names if theirs not in state]
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} BERT tensors, e.g. {missing[:3]}")
-    out = {
-        "embeddings.word.weight": take("embeddings.word_embeddings.weight"),
-        "embeddings.position.weight": take("embeddings.position_embeddings.weight"),
-        "embeddings.token_type.weight": take("embeddings.token_type_embeddings.weight"),
-        "embeddings.norm.weight": take("embeddings.LayerNorm.weight"),
-        "embeddings.norm.bias": take("embeddings.LayerNorm.bias"),
-    }
+    out = {}
+    for ours, theirs, transpose in names:
+        tensor = _as_tensor(theirs, state[theirs])
+        out[ours] = tensor.T.contiguous() if transpose else tensor  # (E, E) for x @ W when transposed
+    return out
+
+
+def _name_map(n_layers: int) -> list:
+    """(our name, the checkpoint's name, transpose?) for every tensor the encoder loads: the one list
+    both the loading and the check for missing tensors read."""
+    names = [("embeddings.word.weight", "embeddings.word_embeddings.weight", False),
+             ("embeddings.position.weight", "embeddings.position_embeddings.weight", False),
+             ("embeddings.token_type.weight", "embeddings.token_type_embeddings.weight", False),
+             ("embeddings.norm.weight", "embeddings.LayerNorm.weight", False),
+             ("embeddings.norm.bias", "embeddings.LayerNorm.bias", False)]
     for i in range(n_layers):
         src, dst = f"encoder.layer.{i}.", f"layers.{i}."
         for ours, theirs in (("q", "attention.self.query"), ("k", "attention.self.key"),
                              ("v", "attention.self.value"), ("o", "attention.output.dense")):
-            out[f"{dst}attention.W_{ours}"] = take(src + theirs + ".weight").T.contiguous()  # (E, E), x @ W
-            out[f"{dst}attention.b_{ours}"] = take(src + theirs + ".bias")
+            names += [(f"{dst}attention.W_{ours}", f"{src}{theirs}.weight", True),
+                      (f"{dst}attention.b_{ours}", f"{src}{theirs}.bias", False)]
         for ours, theirs in (("attention_norm", "attention.output.LayerNorm"), ("up", "intermediate.dense"),
                              ("down", "output.dense"), ("output_norm", "output.LayerNorm")):
-            out[f"{dst}{ours}.weight"] = take(src + theirs + ".weight")
-            out[f"{dst}{ours}.bias"] = take(src + theirs + ".bias")
-    return out
+            names += [(f"{dst}{ours}.{part}", f"{src}{theirs}.{part}", False) for part in ("weight", "bias")]
+    return names
 
 
-def _expected_names(n_layers: int) -> list:
-    names = ["embeddings.word_embeddings.weight", "embeddings.position_embeddings.weight",
-             "embeddings.token_type_embeddings.weight", "embeddings.LayerNorm.weight"]
-    parts = ["attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
-             "attention.output.LayerNorm", "intermediate.dense", "output.dense", "output.LayerNorm"]
-    return names + [f"encoder.layer.{i}.{p}.weight" for i in range(n_layers) for p in parts]
+def _as_tensor(name: str, value):
+    """A checkpoint entry as a torch tensor: tensors as they are (bfloat16 included, which NumPy
+    cannot hold), NumPy arrays converted; the copy into the parameters casts them."""
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        return torch.as_tensor(value)
+    raise TypeError(f"checkpoint[{name!r}] must be a torch.Tensor or numpy.ndarray, got {type(value).__name__}")
