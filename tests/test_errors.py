@@ -243,6 +243,8 @@ BAD = [
                  r"mask_fn: the rule must return a boolean array, got dtype int64", id="mask-fn-int-result"),
     pytest.param(call(mask=qkv.mask_fn(lambda b, h, qi, ki: None)), TypeError,
                  r"mask_fn: the rule must return a boolean array, got NoneType", id="mask-fn-None-result"),
+    pytest.param(call(mask=qkv.mask_fn(lambda b, h, qi, ki: np.ones((3, 3), dtype=bool))), ValueError,
+                 r"mask_fn: the rule returned shape \(3, 3\), which does not broadcast to", id="mask-fn-wrong-shape"),
     # ---- score modifiers ----------------------------------------------------------------
     pytest.param(call(score_mod=qkv.alibi([0.5, 0.25, 0.125])), ValueError,
                  r"slopes must have the number of query heads \(4\) entries, got 3", id="alibi-wrong-count"),
@@ -259,7 +261,11 @@ BAD = [
                  id="softcap-str"),
     # ---- the mask algebra and tiles ---------------------------------------------------------
     pytest.param(lambda: qkv.causal() & np.ones((LQ, LK), dtype=bool), TypeError,
-                 r"mask & mask: the other operand must be a qkv mask, got ndarray", id="mask-and-array"),
+                 r"mask & mask: the other operand must be a qkv mask, got ndarray; wrap an array as qkv\.dense_mask",
+                 id="mask-and-array"),
+    pytest.param(lambda: np.ones((LQ, LK), dtype=bool) & qkv.causal(), TypeError,
+                 r"mask & mask: the other operand must be a qkv mask, got ndarray; wrap an array as qkv\.dense_mask",
+                 id="array-and-mask"),
     pytest.param(lambda: qkv.causal() | 1, TypeError, r"mask \| mask: the other operand must be a qkv mask, got int",
                  id="mask-or-int"),
     pytest.param(lambda: True & qkv.window(2), TypeError, r"mask & mask: the other operand must be a qkv mask, got bool",

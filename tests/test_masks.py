@@ -239,3 +239,25 @@ def test_dense_mask_with_several_batch_dims(backend, rng):
     from helpers import convert
     allowed = rng.random((2, 3, 1, 9, 11)) < 0.5
     check_backend(backend, arrays, arrays64, dtype, mask=convert(allowed.astype(float), kind, dtype) > 0.5)
+
+
+def test_a_dense_mask_checked_for_other_sizes_in_between_still_answers_for_its_own(rng):
+    """One mask object serving calls of two sizes at once (threads): a call's evaluation never
+    reads the view fitted for the other call's sizes."""
+    from qkv.masks import Geometry
+    allowed = rng.random((2, 1, 1, 1, 6)) < 0.5  # batch dims (2, 1|n), one row per batch row
+    bias = rng.standard_normal((2, 1, 1, 1, 6))
+    mask, score_mod = qkv.dense_mask(allowed), qkv.inputs.as_mask(bias, "numpy", "float64")[1][0]
+    small, large = Geometry(2, 1, 3, 6, batch_shape=(2, 1)), Geometry(6, 1, 3, 6, batch_shape=(2, 3))
+    b, h, qi, ki = np.ogrid[:2, :1, :3, :6]
+    for obj in (mask, score_mod):
+        obj.check(small)
+        obj.check(large)  # another call, at other sizes, checks the same object
+    np.testing.assert_array_equal(mask.allowed(b, h, qi, ki, small), np.broadcast_to(allowed[:, 0], (2, 1, 3, 6)))
+    np.testing.assert_array_equal(score_mod.apply(np.zeros((2, 1, 3, 6)), b, h, qi, ki, small),
+                                  np.broadcast_to(bias[:, 0], (2, 1, 3, 6)))
+
+
+def test_materialize_takes_numpy_integers():
+    want = qkv.causal().materialize(3, 4, batch=2, heads=1)
+    np.testing.assert_array_equal(qkv.causal().materialize(3, 4, batch=np.int64(2), heads=np.int64(1)), want)

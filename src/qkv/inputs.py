@@ -113,10 +113,19 @@ def check_size(name, arr, expected, what):
         raise ValueError(f"{name} must have {what} ({expected}) entries, got {arr.shape[0]}")
 
 
-def check_rule_result(name, result):
+def check_rule_result(name, result, *indices):
+    """A rule's answer at broadcast index arrays: boolean, and of a shape that broadcasts to theirs."""
     if _arrays.kind_of(result) is None or str(result.dtype) not in ("bool", "torch.bool"):
         got = type(result).__name__ if _arrays.kind_of(result) is None else f"dtype {result.dtype}"
         raise TypeError(f"{name}: the rule must return a boolean array, got {got}")
+    expected = np.broadcast_shapes(*(tuple(i.shape) for i in indices))
+    try:
+        fits = np.broadcast_shapes(tuple(result.shape), expected) == expected
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(f"{name}: the rule returned shape {tuple(result.shape)}, which does not broadcast to "
+                         f"{expected}, the shape of its (b, h, qi, ki) arguments broadcast together")
     return result
 
 

@@ -21,6 +21,7 @@ Index conventions: ``b`` runs over the flattened leading (batch) dims of q,
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,6 +97,7 @@ class Mask:
 
     __rand__ = __and__
     __ror__ = __or__
+    __array_ufunc__ = None  # `array & mask`: NumPy leaves it to __rand__, which explains itself
 
     # ---- tiles ----------------------------------------------------------------------------
     def _classify(self, geom: Geometry, block_q: int, block_k: int) -> np.ndarray:
@@ -128,7 +130,7 @@ class Mask:
         The batch and heads dims are present only when given (batch may be an int or a
         tuple); ``materialize(Lq, Lk)`` gives (Lq, Lk) for batch row 0, head 0.
         """
-        batch_shape = () if batch is None else (batch,) if isinstance(batch, int) else tuple(batch)
+        batch_shape = () if batch is None else (int(batch),) if isinstance(batch, numbers.Integral) else tuple(batch)
         n_batch, n_heads = math.prod(batch_shape), 1 if heads is None else heads
         geom = Geometry(n_batch, n_heads, Lq, Lk, batch_shape or (1,))
         self.check(geom)
@@ -161,7 +163,8 @@ def _cdiv(a: int, b: int) -> int:
 
 def _as_mask(other, op: str) -> Mask:
     if not isinstance(other, Mask):
-        raise TypeError(f"mask {op} mask: the other operand must be a qkv mask, got {type(other).__name__}")
+        hint = "; wrap an array as qkv.dense_mask(array)" if _arrays.kind_of(other) else ""
+        raise TypeError(f"mask {op} mask: the other operand must be a qkv mask, got {type(other).__name__}{hint}")
     return other
 
 
@@ -404,27 +407,42 @@ class MaskFn(Mask):
         self.fn = inputs.check_callable("fn", fn)
 
     def allowed(self, b, h, qi, ki, geom):
-        return inputs.check_rule_result("mask_fn", self.fn(b, h, qi, ki))
+        return inputs.check_rule_result("mask_fn", self.fn(b, h, qi, ki), b, h, qi, ki)
 
     def __repr__(self):
         return f"mask_fn({getattr(self.fn, '__name__', 'fn')})"
 
 
-class DenseMask(Mask):
+class _DenseArray:
+    """An array broadcastable to (..., Hq, Lq, Lk), viewed as 4-D for a call's sizes.
+
+    The view is kept with the sizes it was made for, and read back only for those: one mask
+    object may serve calls of other sizes at the same time (other threads).
+    """
+
+    def __init__(self, array):
+        self.array = array
+        self._fitted = (None, None)  # (Geometry, 4-D view), replaced as a whole
+
+    def check(self, geom):
+        self._fitted = (geom, inputs.fit_dense("mask", self.array, geom))
+
+    def fitted(self, geom):
+        """The array as (B|1, H|1, Lq|1, Lk|1) for these sizes."""
+        fitted_geom, view = self._fitted  # one read: another call may replace it meanwhile
+        return view if fitted_geom == geom else inputs.fit_dense("mask", self.array, geom)
+
+
+class DenseMask(_DenseArray, Mask):
     """An explicit boolean array, broadcastable to (..., Hq, Lq, Lk)."""
 
     head_independent = False
 
     def __init__(self, array):
-        self.array = inputs.check_dense_mask("mask", array)
-        self._bound = None
-
-    def check(self, geom):
-        self._bound = inputs.fit_dense("mask", self.array, geom)
+        super().__init__(inputs.check_dense_mask("mask", array))
 
     def allowed(self, b, h, qi, ki, geom):
-        return _dense_lookup(self._bound if self._bound is not None else inputs.fit_dense("mask", self.array, geom),
-                             b, h, qi, ki)
+        return _dense_lookup(self.fitted(geom), b, h, qi, ki)
 
     def __repr__(self):
         return f"dense_mask(shape={tuple(self.array.shape)})"
@@ -607,20 +625,13 @@ class ScoreFn(ScoreMod):
         return f"score_fn({getattr(self.fn, '__name__', 'fn')})"
 
 
-class Bias(ScoreMod):
+class Bias(_DenseArray, ScoreMod):
     """A float array added to the scores (a float mask), broadcastable to (..., Hq, Lq, Lk)."""
 
     additive = True
 
-    def __init__(self, array):
-        self.array = array
-        self._bound = None
-
-    def check(self, geom):
-        self._bound = inputs.fit_dense("mask", self.array, geom)
-
     def apply(self, s, b, h, qi, ki, geom):
-        return s + _arrays.cast_like(_dense_lookup(self._bound, b, h, qi, ki), s)
+        return s + _arrays.cast_like(_dense_lookup(self.fitted(geom), b, h, qi, ki), s)
 
     def __repr__(self):
         return f"bias(shape={tuple(self.array.shape)})"

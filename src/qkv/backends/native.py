@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import numpy as np
 
@@ -42,9 +43,15 @@ FEW_QUERIES = {"float32": 8, "bfloat16": 32}
 
 
 def default_threads() -> int:
-    env = os.environ.get("QKV_NUM_THREADS")
+    """QKV_NUM_THREADS when set (at least 1), else every CPU this process may run on; a value
+    that is not an integer is ignored with a warning (importing qkv must not fail over it)."""
+    env = os.environ.get("QKV_NUM_THREADS", "").strip()
     if env:
-        return max(1, int(env))
+        try:
+            return max(1, int(env))
+        except ValueError:
+            warnings.warn(f"QKV_NUM_THREADS={env!r} is not an integer; the native kernel uses "
+                          f"{available_cpus()} threads (every CPU)", RuntimeWarning, stacklevel=2)
     return available_cpus()
 
 
@@ -168,7 +175,7 @@ def kernel_extras(inp, blocks) -> dict:
         elif isinstance(mod, Softcap):
             extras["softcap"] = float(mod.cap)
         elif isinstance(mod, Bias):
-            extras["bias"] = _float32_bias(mod)
+            extras["bias"] = _float32_bias(mod, inp.geom)
     if inp.mask is None:
         return extras
     classes = row_tile_classes(inp, *blocks)  # (R, nq, nk)
@@ -180,8 +187,8 @@ def kernel_extras(inp, blocks) -> dict:
     return extras
 
 
-def _float32_bias(mod):
-    bias = mod._bound  # (B|1, H|1, Lq|1, Lk|1), bound by inputs.prepare
+def _float32_bias(mod, geom):
+    bias = mod.fitted(geom)  # (B|1, H|1, Lq|1, Lk|1)
     if _arrays.is_torch(bias):
         return bias.detach().float()
     return np.asarray(bias, dtype=np.float32)
