@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from qkv import bench, cli
+from qkv import bench, bench_distributed, cli
 
 pytest.importorskip("torch")
 pytest.importorskip("rich")
@@ -52,3 +52,10 @@ def test_gpu_implementations_are_qkv_triton_and_torch_kernels():
 def test_cuda_bench_without_a_gpu_says_so(capsys):
     assert cli.main(["bench", "--device", "cuda"]) == 2
     assert "no CUDA GPU" in capsys.readouterr().out
+
+
+def test_distributed_runs_the_ring_benchmark_on_that_many_ranks(monkeypatch):
+    calls = []
+    monkeypatch.setattr(bench_distributed, "main", calls.append)
+    assert cli.main(["bench", "--distributed", "1"]) == 0
+    assert calls == [["--world", "1"]]

@@ -1,7 +1,12 @@
 """The qkv command."""
+import os
+import subprocess
+import sys
+
 import pytest
 
-from qkv import cli, dispatch
+from qkv import bench, cli, dispatch
+from qkv.backends import triton as triton_backend
 
 
 def test_info_lists_every_backend_and_why(capsys):
@@ -22,3 +27,49 @@ def test_unknown_command_is_an_error(capsys):
         cli.main(["nonsense"])
     assert exc.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_info_with_triton_but_without_torch_says_why(monkeypatch, capsys):
+    monkeypatch.setattr(triton_backend, "_triton_installed", lambda: True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch fails
+    assert cli.main(["info"]) == 0
+    assert "triton     unavailable: PyTorch is not installed" in capsys.readouterr().out
+
+
+def test_a_bad_thread_count_in_the_environment_warns_and_info_still_runs():
+    env = dict(os.environ, QKV_NUM_THREADS="abc")
+    done = subprocess.run([sys.executable, "-m", "qkv.cli", "info"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and "native" in done.stdout
+    assert "QKV_NUM_THREADS='abc' is not an integer" in done.stderr
+
+
+@pytest.mark.parametrize("module", ["torch", "rich"])
+def test_bench_without_its_dependencies_gives_the_install_hint(monkeypatch, capsys, module):
+    monkeypatch.setitem(sys.modules, module, None)  # import fails as if not installed
+    assert cli.main(["bench", "--shape", "1,1,16,8", "--repeats", "1", "--no-peers"]) == 1
+    err = capsys.readouterr().err
+    assert "qkv bench needs torch and rich: pip install 'qkv[bench]'" in err and f"missing: {module}" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--repeats", "0"], "argument --repeats: must be a positive integer, got '0'"),
+    (["--shape", "1,x,64,8"], "argument --shape: takes B,H,L,D or B,Hq,Hkv,Lq,Lk,D in positive integers; got "),
+    (["--shape", "1,2,64"], "argument --shape: takes B,H,L,D"),
+    (["--distributed", "0"], "argument --distributed: must be a positive integer, got '0'"),
+    (["--distributed", "-1"], "argument --distributed: must be a positive integer, got '-1'"),
+    (["--distributed", "3"], "argument --distributed: each length = 2048 must be divisible"),
+    (["--distributed", "2", "--json", "x.json", "--shape", "1,1,64,8"],
+     "--distributed takes no other option (got --shape, --json)"),
+    (["--plot", "p.png"], "--plot needs --sweep on CPU"),
+    (["--json", "missing/x.json"], "argument --json: cannot write 'missing/x.json': no folder"),
+    (["--sweep", "--plot", "."], "argument --plot: cannot write '.': it is a folder"),
+])
+def test_bench_argument_errors_are_one_line_before_anything_runs(monkeypatch, tmp_path, capsys, argv, message):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(bench, "run", lambda args: pytest.fail("the benchmark ran"))
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", *argv])
+    assert exc.value.code == 2
+    assert f"qkv bench: error: {message}" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())

@@ -411,3 +411,28 @@ def test_benchmark_reports_time_memory_and_bytes():
     assert "sent MiB/rank" in format_table(rows, dict(row, layout="zigzag", mask="causal", dtype="float32",
                                                        batch=1, heads=2, kv_heads=1, head_dim=8, backward=False,
                                                        repeat=1))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lengths", "1002"], "each length = 1002 must be divisible by the number of chunks of layout 'zigzag'"),
+    (["--heads", "3", "--kv-heads", "2"], "heads = 3 must be a multiple of kv_heads = 2"),
+    (["--repeat", "0"], "argument --repeat: must be a positive integer, got '0'"),
+    (["--world", "0"], "argument --world: must be a positive integer, got '0'"),
+])
+def test_benchmark_arguments_are_checked_before_any_process_starts(monkeypatch, capsys, argv, message):
+    from qkv import bench_distributed
+
+    monkeypatch.setattr(bench_distributed, "_launch", lambda *a: pytest.fail("started processes"))
+    for key in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(SystemExit) as exc:
+        bench_distributed.main(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_benchmark_options_are_checked_before_any_process_starts(monkeypatch):
+    from qkv import bench_distributed
+
+    monkeypatch.setattr(bench_distributed, "_launch", lambda *a: pytest.fail("started processes"))
+    with pytest.raises(ValueError, match="repeat must be a positive integer"):
+        bench_distributed.run_distributed_bench(2, [256], repeat=0)

@@ -8,6 +8,7 @@ backward) or, for decoding, as GB/s of K/V read; the ratio to torch's own
 """
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import importlib.util
 import json
@@ -304,14 +305,48 @@ def machine() -> dict:
 # ---- the command ------------------------------------------------------------------------------
 def parse_shape(text: str) -> Workload:
     """'B,H,L,D' or 'B,Hq,Hkv,Lq,Lk,D' -> a workload named by its sizes (run() adds the rest)."""
-    parts = [int(x) for x in text.split(",")]
+    parts = text.split(",")
+    if len(parts) not in (4, 6) or not all(map(_is_positive_int, parts)):
+        raise argparse.ArgumentTypeError(f"takes B,H,L,D or B,Hq,Hkv,Lq,Lk,D in positive integers; got {text!r}")
     if len(parts) == 4:
-        B, H, L, D = parts
+        B, H, L, D = map(int, parts)
         return Workload(f"B={B} H={H} L={L} D={D}", B, H, H, L, L, D)
-    if len(parts) == 6:
-        B, Hq, Hkv, Lq, Lk, D = parts
-        return Workload(f"B={B} Hq={Hq} Hkv={Hkv} Lq={Lq} Lk={Lk} D={D}", B, Hq, Hkv, Lq, Lk, D)
-    raise ValueError(f"--shape takes B,H,L,D or B,Hq,Hkv,Lq,Lk,D; got {text!r}")
+    B, Hq, Hkv, Lq, Lk, D = map(int, parts)
+    return Workload(f"B={B} Hq={Hq} Hkv={Hkv} Lq={Lq} Lk={Lk} D={D}", B, Hq, Hkv, Lq, Lk, D)
+
+
+def positive_int(text: str) -> int:
+    if not _is_positive_int(text):
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return int(text)
+
+
+def _is_positive_int(text: str) -> bool:
+    return text.strip().isdecimal() and int(text) > 0
+
+
+def world_size(text: str) -> int:
+    """--distributed: ranks that split every default length of the distributed benchmark."""
+    from . import bench_distributed
+
+    world, lengths = positive_int(text), bench_distributed.LENGTHS
+    try:
+        bench_distributed.check_config(world, {**bench_distributed.DEFAULTS, "lengths": lengths})
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{error} (it runs lengths {', '.join(map(str, lengths))})") from None
+    return world
+
+
+def writable_path(text: str) -> str:
+    """An output file whose folder exists, checked before anything is measured."""
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: no folder {folder!r}")
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: it is a folder")
+    if not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: no permission to write in {folder!r}")
+    return text
 
 
 def add_arguments(parser) -> None:
@@ -325,17 +360,32 @@ def add_arguments(parser) -> None:
     parser.add_argument("--causal", action="store_true", help="--shape workloads are causal")
     parser.add_argument("--backward", action="store_true", help="--shape workloads include the backward")
     parser.add_argument("--sweep", action="store_true", help="also sweep the sequence length (for --plot; CPU)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed rounds per workload (median reported)")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="timed rounds per workload (median reported)")
     parser.add_argument("--no-peers", action="store_true", help="skip torch flex_attention (slow to compile)")
-    parser.add_argument("--json", metavar="PATH", help="write every result and the machine as JSON")
-    parser.add_argument("--plot", metavar="PNG", help="plot throughput against sequence length (needs --sweep)")
-    parser.add_argument("--distributed", type=int, metavar="N",
+    parser.add_argument("--json", metavar="PATH", type=writable_path, help="write every result and the machine as JSON")
+    parser.add_argument("--plot", metavar="PNG", type=writable_path,
+                        help="plot throughput against sequence length (needs --sweep)")
+    parser.add_argument("--distributed", type=world_size, metavar="N",
                         help="instead: ring attention over N local processes against one process (per-rank memory, "
-                             "bytes sent); see docs/distributed.md")
+                             "bytes sent; takes no other option, python -m qkv.bench_distributed takes more); "
+                             "see docs/distributed.md")
+
+
+def check_arguments(parser, args) -> None:
+    """Combinations of options that cannot run: parser.error (one line, exit status 2) before any work."""
+    if args.distributed is not None:
+        others = [f"--{dest.replace('_', '-')}" for dest in ("shape", "dtype", "device", "causal", "backward",
+                                                            "sweep", "repeats", "no_peers", "json", "plot")
+                  if getattr(args, dest) != parser.get_default(dest)]
+        if others:
+            parser.error(f"--distributed takes no other option (got {', '.join(others)}); "
+                         "python -m qkv.bench_distributed takes the ring benchmark's options")
+    if args.plot and not (args.sweep and args.device == "cpu"):
+        parser.error("--plot needs --sweep on CPU (it plots the sequence-length sweep)")
 
 
 def run(args) -> int:
-    if args.distributed:
+    if args.distributed is not None:
         from . import bench_distributed
 
         return bench_distributed.main(["--world", str(args.distributed)]) or 0

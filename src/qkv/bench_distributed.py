@@ -32,6 +32,7 @@ from ._processes import run_ranks
 
 DEFAULTS = dict(heads=4, kv_heads=4, head_dim=64, batch=1, dtype="float32", mask="causal", layout="zigzag",
                 repeat=3, backward=False)
+LENGTHS = (2048, 4096, 8192)
 
 
 # ======================================================================================
@@ -186,7 +187,7 @@ def measure_ring(cfg: dict, length: int, device, group=None) -> dict:
 # ======================================================================================
 # Running: local processes (gloo), or under torchrun
 # ======================================================================================
-def run_distributed_bench(world_size: int, lengths=(2048, 4096, 8192), *, timeout: float = 600.0,
+def run_distributed_bench(world_size: int, lengths=LENGTHS, *, timeout: float = 600.0,
                           **options) -> list[dict]:
     """Benchmark ring attention on `world_size` local processes (gloo) against one process.
 
@@ -202,22 +203,33 @@ def run_distributed_bench(world_size: int, lengths=(2048, 4096, 8192), *, timeou
         speedup, peak MiB of the single process and of the largest rank, MiB each rank
         sends per call, and blocks computed / skipped per rank.
     """
-    from .distributed import _check_divisible
     from . import inputs
 
     world_size = inputs.check_positive_int("world_size", world_size)
     unknown = set(options) - set(DEFAULTS)
     if unknown:
         raise ValueError(f"unknown options {sorted(unknown)}; expected some of {sorted(DEFAULTS)}")
-    cfg = {**DEFAULTS, **options, "lengths": [inputs.check_positive_int("lengths", n) for n in lengths]}
-    inputs.check_choice("mask", cfg["mask"], ("causal", "none"))
-    for n in cfg["lengths"]:
-        _check_divisible("each length", n, world_size, cfg["layout"])
+    cfg = {**DEFAULTS, **options, "lengths": list(lengths)}
+    check_config(world_size, cfg)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     with tempfile.TemporaryDirectory(prefix="qkv-bench-") as tmp:
         single = _launch(1, dict(cfg, role="single"), Path(tmp) / "single", cores, timeout)[0]
         ring = _launch(world_size, dict(cfg, role="ring"), Path(tmp) / "ring", max(1, cores // world_size), timeout)
     return [_row(cfg, world_size, single[i], [r[i] for r in ring]) for i in range(len(cfg["lengths"]))]
+
+
+def check_config(world: int, cfg: dict) -> None:
+    """A ValueError, before any process starts, for a configuration the ranks cannot run."""
+    from . import inputs
+    from .distributed import _check_divisible
+
+    for name in ("heads", "kv_heads", "head_dim", "batch", "repeat"):
+        inputs.check_positive_int(name, cfg[name])
+    if cfg["heads"] % cfg["kv_heads"]:
+        raise ValueError(f"heads = {cfg['heads']} must be a multiple of kv_heads = {cfg['kv_heads']}")
+    inputs.check_choice("mask", cfg["mask"], ("causal", "none"))
+    for n in cfg["lengths"]:
+        _check_divisible("each length", inputs.check_positive_int("lengths", n), world, cfg["layout"])
 
 
 def _row(cfg: dict, world: int, single: dict, ranks: list[dict]) -> dict:
@@ -335,17 +347,20 @@ def format_table(rows: list[dict], cfg: dict) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from .bench import positive_int
+
     p = argparse.ArgumentParser(prog="python -m qkv.bench_distributed", description=__doc__.split("\n\n")[0])
-    p.add_argument("--world", type=int, default=2, help="ranks to start on this machine (ignored under torchrun)")
-    p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
-    p.add_argument("--heads", type=int, default=DEFAULTS["heads"])
-    p.add_argument("--kv-heads", type=int, default=DEFAULTS["kv_heads"])
-    p.add_argument("--head-dim", type=int, default=DEFAULTS["head_dim"])
-    p.add_argument("--batch", type=int, default=DEFAULTS["batch"])
+    p.add_argument("--world", type=positive_int, default=2,
+                   help="ranks to start on this machine (ignored under torchrun)")
+    p.add_argument("--lengths", type=positive_int, nargs="+", default=list(LENGTHS))
+    p.add_argument("--heads", type=positive_int, default=DEFAULTS["heads"])
+    p.add_argument("--kv-heads", type=positive_int, default=DEFAULTS["kv_heads"])
+    p.add_argument("--head-dim", type=positive_int, default=DEFAULTS["head_dim"])
+    p.add_argument("--batch", type=positive_int, default=DEFAULTS["batch"])
     p.add_argument("--dtype", default=DEFAULTS["dtype"], choices=("float32", "float64", "bfloat16", "float16"))
     p.add_argument("--mask", default=DEFAULTS["mask"], choices=("causal", "none"))
     p.add_argument("--layout", default=DEFAULTS["layout"], choices=("contiguous", "zigzag"))
-    p.add_argument("--repeat", type=int, default=DEFAULTS["repeat"])
+    p.add_argument("--repeat", type=positive_int, default=DEFAULTS["repeat"])
     p.add_argument("--backward", action="store_true", help="time forward + backward")
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     p.add_argument("--worker", type=int, help=argparse.SUPPRESS)
@@ -354,12 +369,18 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> None:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     if args.worker is not None:
         _worker(args.worker, args.world, Path(args.folder))
         return
     options = {k: getattr(args, k) for k in DEFAULTS}
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    try:  # under torchrun the group's size is the world
+        check_config(int(os.environ["WORLD_SIZE"]) if torchrun else args.world, {**options, "lengths": args.lengths})
+    except ValueError as error:
+        parser.error(str(error))
+    if torchrun:
         rows = _under_torchrun({**DEFAULTS, **options, "lengths": args.lengths})
     else:
         rows = run_distributed_bench(args.world, args.lengths, **options)

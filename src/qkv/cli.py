@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import platform
 import sys
 
@@ -58,10 +59,14 @@ def cmd_check(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    try:
-        from qkv import bench
-    except ImportError as error:
-        print(f"qkv bench needs torch and rich: pip install qkv[bench] ({error})", file=sys.stderr)
+    from qkv import bench
+
+    bench.check_arguments(args.parser, args)
+    needs = ("torch", "rich") + (("matplotlib",) if args.plot else ())
+    missing = [name for name in needs if importlib.util.find_spec(name) is None]
+    if missing:
+        print(f"qkv bench needs torch and rich{' and matplotlib' if args.plot else ''}: "
+              f"pip install 'qkv[bench]' (missing: {', '.join(missing)})", file=sys.stderr)
         return 1
     return bench.run(args)
 
@@ -97,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("bench", cmd_bench, "measure qkv's backends against torch and other peers, side by side"),
     ]:
         command = sub.add_parser(name, help=text, description=text)
-        command.set_defaults(func=func)
+        command.set_defaults(func=func, parser=command)
         if name == "bench":
             from qkv.bench import add_arguments
 

@@ -51,8 +51,10 @@ class TritonBackend(Backend):
             return "Triton is not installed (pip install 'qkv[triton]')"
         if interpreting():
             return None
-        import torch
-
+        try:
+            import torch
+        except ImportError:
+            return "PyTorch is not installed (pip install 'qkv[triton]')"
         if not torch.cuda.is_available():
             return "no CUDA GPU here (TRITON_INTERPRET=1 runs the kernels on CPU, slowly, for tests)"
         return None
