@@ -64,3 +64,17 @@ def reference_mha(query, key, value, params, num_heads, num_kv_heads=None, allow
 def causal_allowed(Lq, Lk):
     """Bottom-right causal pattern: query i sees keys j <= i + Lk - Lq."""
     return np.arange(Lk)[None, :] <= np.arange(Lq)[:, None] + Lk - Lq
+
+
+def seed_sdpa(query, key, value, mask=None):
+    """The original torch function, written out literally (any float dtype, torch tensors)."""
+    import math
+
+    import torch
+
+    d_k = query.size(-1)
+    scores = torch.matmul(query, key.transpose(-2, -1)) / math.sqrt(d_k)
+    if mask is not None:
+        scores = scores.masked_fill(mask == 0, float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    return torch.matmul(weights, value), weights

@@ -235,7 +235,15 @@ def test_torch_decoding_under_no_grad_keeps_the_dtype_and_device():
     mha = qt.MultiHeadAttention(16, 4, num_kv_heads=2)
     cache = mha.init_cache(1, 4)
     assert cache.keys.dtype == torch.float32 and not cache.keys.requires_grad
+    prompt = torch.randn(1, 3, 16, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        out, _ = mha(torch.randn(1, 3, 16), cache=cache)
-        out, _ = mha(out[:, -1:], cache=cache)
-    assert out.shape == (1, 1, 16) and cache.length == 4
+        first, _ = mha(prompt, cache=cache)
+        step, _ = mha(first[:, -1:], cache=cache)  # its own last output fed back, as a generator does
+    assert step.shape == (1, 1, 16) and cache.length == 4 and step.dtype == torch.float32
+    tokens = torch.cat([prompt, first[:, -1:]], dim=1).double().numpy()  # (1, 4, 16), what the cache saw
+    params = {name: p.detach().double().numpy() for name, p in mha.state_dict().items()}
+    got = torch.cat([first, step], dim=1).numpy()
+    want = reference_mha(tokens, tokens, tokens, params, 4, 2, allowed=causal_allowed(4, 4))[0]
+    params32 = {name: p.astype(np.float32) for name, p in params.items()}
+    in_dtype = reference_mha(*(tokens.astype(np.float32),) * 3, params32, 4, 2, allowed=causal_allowed(4, 4))[0]
+    assert np.abs(got - want).max() <= 2 * np.abs(in_dtype - want).max() + 2e-6

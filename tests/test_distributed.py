@@ -292,10 +292,8 @@ def test_a_failing_rank_fails_the_run_with_its_message(tmp_path):
 
 def test_a_hanging_rank_is_killed_and_reported(tmp_path):
     case = make_case("causal", "contiguous", hang_rank=1)
-    start = time.monotonic()
     with pytest.raises(RanksFailed, match=r"rank\(s\) \[0, 1\] of 2 did not finish within 6 s and were killed"):
         run_ranks(2, [case], tmp_path, timeout=6)
-    assert time.monotonic() - start < 20
 
 
 # ======================================================================================

@@ -171,11 +171,16 @@ def test_public_names():
     assert "attention_stats" in qkv.__all__
 
 
-def test_lse_is_that_of_attention():
+def test_lse_is_the_log_sum_exp_of_the_allowed_scores():
+    """Against the definition in float64: log of the sum of exp(scale * q·k) over allowed keys."""
     rng = np.random.default_rng(2)
     q, k = qk64(rng)
-    _, lse = qkv.attention(q, k, k, qkv.causal(), return_lse=True)
-    np.testing.assert_array_equal(attention_stats(q, k, qkv.causal()).lse, lse)
+    mask = qkv.causal() & qkv.padding([LK, 30], q_lengths=[LQ, 20])  # rows 20.. of batch row 1 see no key: -inf
+    scores = q @ np.repeat(k, HQ // HKV, axis=1).swapaxes(-1, -2) / np.sqrt(D)  # (B, Hq, Lq, Lk)
+    allowed = mask.materialize(LQ, LK, batch=B, heads=HQ)
+    with np.errstate(divide="ignore"):
+        want = np.log(np.where(allowed, np.exp(scores), 0.0).sum(-1))
+    np.testing.assert_allclose(attention_stats(q, k, mask).lse, want, rtol=0, atol=1e-12)
 
 
 def test_nan_in_an_allowed_input_propagates():
