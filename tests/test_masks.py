@@ -110,6 +110,8 @@ MASKS = {
                                             np.sort(np.random.default_rng(1).integers(0, 4, (2, Lk)))),
     "document_unsorted": lambda Lq, Lk: qkv.document(np.random.default_rng(0).integers(0, 3, (2, Lq)),
                                                      np.random.default_rng(1).integers(0, 3, (2, Lk))),
+    "document_shared": lambda Lq, Lk: qkv.document(np.sort(np.random.default_rng(0).integers(0, 4, Lq)),
+                                                   np.sort(np.random.default_rng(1).integers(0, 4, (1, Lk)))),
     "prefix_lm": lambda: qkv.prefix_lm([5, 30]),
     "mask_fn": lambda: qkv.mask_fn(lambda b, h, i, j: (i + j + h) % 3 != 0),
     "dense": lambda Lq, Lk: qkv.dense_mask(np.random.default_rng(2).random((2, 1, Lq, Lk)) < 0.3),
@@ -118,6 +120,12 @@ MASKS = {
     "empty_rows": lambda: qkv.causal(align="top_left") & qkv.window(left=0, right=None, align="top_left")
     & qkv.mask_fn(lambda b, h, i, j: i % 4 != 0),
 }
+
+
+def test_document_ids_of_one_row_serve_every_batch_row():
+    ids, kv_ids = np.array([0, 0, 1, 1, 1, 2]), np.array([[0, 1, 1, 2]])
+    want = qkv.document(np.tile(ids, (3, 1)), np.tile(kv_ids, (3, 1))).materialize(6, 4, batch=3, heads=2)
+    np.testing.assert_array_equal(qkv.document(ids, kv_ids).materialize(6, 4, batch=3, heads=2), want)
 
 
 @pytest.mark.parametrize("name", MASKS)

@@ -368,8 +368,9 @@ class Document(Mask):
                              geom.batch, geom.Lk, "Lk")
 
     def allowed(self, b, h, qi, ki, geom):
-        q_ids = _arrays.like(self.ids, b)[b, qi]  # (nb, 1, bq, 1)
-        k_ids = _arrays.like(self.kv_ids, b)[b, ki]  # (nb, 1, 1, bk)
+        # ids of one row, (1, L), serve every batch row
+        q_ids = _arrays.like(self.ids, b)[b * (self.ids.shape[0] > 1), qi]  # (nb, 1, bq, 1)
+        k_ids = _arrays.like(self.kv_ids, b)[b * (self.kv_ids.shape[0] > 1), ki]  # (nb, 1, 1, bk)
         return q_ids == k_ids
 
     def _classify(self, geom, block_q, block_k):
@@ -544,7 +545,8 @@ def padding(kv_lengths, q_lengths=None) -> Mask:
 
 
 def document(ids, kv_ids=None) -> Mask:
-    """Packed sequences: ids (B, Lq) (and kv_ids (B, Lk), default ids); i sees j when the ids match."""
+    """Packed sequences: ids (B, Lq) (and kv_ids (B, Lk), default ids); i sees j when the ids match.
+    ids of shape (Lq,) or (1, Lq) serve every batch row."""
     return Document(ids, kv_ids)
 
 
