@@ -36,6 +36,17 @@ def test_same_seed_same_drops_on_every_backend():
     assert not np.array_equal(np.round(keep_pattern("torch", "torch", seed=12)), np.round(patterns[0]))
 
 
+@pytest.mark.parametrize("backend,kind", [("torch", "torch"), ("numpy", "numpy"), ("reference", "numpy")])
+def test_every_bit_of_a_64_bit_seed_counts_and_numpy_integers_are_seeds(backend, kind):
+    base = keep_pattern(backend, kind, seed=1)
+    for other in (2**32 + 1, 2**63 + 1):  # same low word, other high words
+        assert not np.array_equal(np.round(keep_pattern(backend, kind, seed=other)), np.round(base))
+    for seed in (np.int32(1), np.uint64(1)):
+        np.testing.assert_array_equal(np.round(keep_pattern(backend, kind, seed=seed)), np.round(base))
+    np.testing.assert_array_equal(np.round(keep_pattern(backend, kind, seed=2**63 + 1)),
+                                  np.round(keep_pattern("reference", "numpy", seed=2**63 + 1)))
+
+
 def test_no_seed_follows_torch_manual_seed():
     q = k = v = torch.randn(1, 1, 16, 8)
     torch.manual_seed(0)

@@ -303,9 +303,9 @@ def check_dropout(dropout_p, seed):
         return 0.0, None  # the default, without the numbers.Real ABC checks (~1 µs)
     if not _is_real(dropout_p) or not (0.0 <= dropout_p < 1.0):
         raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
-    if seed is not None and (not _is_int(seed) or seed < 0):
-        raise ValueError(f"seed must be a non-negative integer or None, got {seed!r}")
-    return float(dropout_p), seed
+    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**64):
+        raise ValueError(f"seed must be an integer in [0, 2**64) or None, got {seed!r}")
+    return float(dropout_p), None if seed is None else int(seed)  # int: NumPy integers would overflow the hash
 
 
 def as_mask(mask, kind, dtype):

@@ -236,7 +236,10 @@ def _mix32(x):
 
 def dropout_keep(seed: int, dropout_p: float, heads: int, b, h, qi, ki):
     """Boolean keep mask for broadcast indices (b, h, qi, ki): True with probability 1 - p."""
-    x = _mix32(_mix32(b * heads + h) ^ ((seed ^ (seed >> 32)) & _M32))
+    low, high = seed & _M32, seed >> 32  # a seed below 2**64: both words count
+    x = _mix32(_mix32(b * heads + h) ^ low)
+    if high:  # seeds below 2**32 skip this round, so their masks are what they always were
+        x = _mix32(x ^ high)
     x = _mix32(x ^ qi)
     x = _mix32((x + ki * 0x9E3779B1) & _M32)
     threshold = int(round((1.0 - dropout_p) * (1 << 24)))
