@@ -413,7 +413,8 @@ def test_empty_inputs_give_defined_results(case, kind, backend):
 def _masks_of_every_kind(batch, lq, lk):
     """A composed mask with structured, per-batch and rule parts, and one of packed documents."""
     composed = qkv.causal() & qkv.padding([lk] * batch) & qkv.window(left=2) | qkv.mask_fn(lambda b, h, qi, ki: qi < 0)
-    documents = qkv.document(np.zeros((batch, lq), int), np.zeros((batch, lk), int)) & qkv.prefix_lm([min(1, lk)] * batch)
+    documents = (qkv.document(np.zeros((batch, lq), int), np.zeros((batch, lk), int))
+                 & qkv.prefix_lm([min(1, lk)] * batch))
     return {"composed": composed, "documents": documents}
 
 

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import qkv
-from helpers import check_gradients, reference_grads, to64
+from helpers import assert_within_rule, check_gradients, reference_grads, to64
 from qkv import dispatch
 
 torch = pytest.importorskip("torch")
@@ -97,3 +97,16 @@ def test_softcap_over_a_minus_inf_bias(backend, rng, dtype):
     allowed[0, 0, 3] = False  # a row with no key: gradient 0
     bias = torch.zeros(allowed.shape, dtype=q.dtype).masked_fill(~allowed, float("-inf"))
     check_gradients(backend, (q, k, v), dict(mask=bias, score_mod=qkv.softcap(1.0)), rng)
+
+
+@pytest.mark.parametrize("backend", ["reference", *GRAD_BACKENDS])
+def test_no_grad_runs_any_backend_and_records_nothing(backend, rng):
+    """Under torch.no_grad() inputs that require grad are plain inputs: no graph, and backends
+    without a backward (the oracle) run too."""
+    q, k, v = leaves(rng, torch.float32)
+    with torch.no_grad():
+        out = qkv.attention(q, k, v, qkv.causal(), backend=backend)
+    assert out.grad_fn is None and not out.requires_grad
+    want = qkv.attention(*(to64(x) for x in (q, k, v)), qkv.causal(), backend="reference")
+    ref = qkv.attention(*(to64(x).astype(np.float32) for x in (q, k, v)), qkv.causal(), backend="reference")
+    assert_within_rule(to64(out), want, ref, "float32")

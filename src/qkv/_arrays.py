@@ -17,6 +17,13 @@ def is_torch(x) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
+def grad_enabled() -> bool:
+    """Whether torch records autograd graphs here (False under torch.no_grad(); and where
+    torch was never imported, no tensor can want a gradient)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.is_grad_enabled()
+
+
 def kind_of(x) -> str | None:
     """'numpy', 'torch' or None for anything else."""
     if isinstance(x, np.ndarray):

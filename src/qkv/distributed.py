@@ -631,15 +631,9 @@ def _validate(q, k, v, mask, scale, layout, stats) -> _Call:
         raise TypeError(f"stats must be a qkv.distributed.RingStats or None, got {type(stats).__name__}")
     q4 = inputs._to4d(q)  # (B, Hq, Lq/P, D)
     sizes = (q4.shape[0], q4.shape[1], inputs._to4d(k).shape[1], q.shape[-1], v.shape[-1])
-    needs_grad = _grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    needs_grad = _arrays.grad_enabled() and any(x.requires_grad for x in (q, k, v))
     return _Call(None, spec, mask, layout, scale, sizes, tuple(q.shape[:-3]), inputs.dtype_name(q),
                  q.shape[-2], k.shape[-2], stats, needs_grad)
-
-
-def _grad_enabled() -> bool:
-    import torch
-
-    return torch.is_grad_enabled()
 
 
 def _connect(group, error) -> _Ring:

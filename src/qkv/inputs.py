@@ -367,7 +367,7 @@ def prepare(q, k, v, mask=None, *, score_mod=None, scale=None, dropout_p=0.0, se
     mods = bias_mods + as_score_mods(score_mod)
     batch_shape = tuple(q.shape[:-3])
     head_shape = tuple(q.shape[-3:-2]) if q.ndim >= 3 else ()
-    needs_grad = kind == "torch" and (q.requires_grad or k.requires_grad or v.requires_grad)
+    needs_grad = kind == "torch" and (q.requires_grad or k.requires_grad or v.requires_grad) and _arrays.grad_enabled()
     device = "cpu" if kind == "numpy" or q.is_cpu else str(q.device)
     inp = AttentionInputs(_to4d(q), _to4d(k), _to4d(v), kind, dtype, device, batch_shape, head_shape, scale,
                           mask_obj, mods, dropout_p, seed, needs_grad)
