@@ -434,3 +434,17 @@ def test_benchmark_options_are_checked_before_any_process_starts(monkeypatch):
     monkeypatch.setattr(bench_distributed, "_launch", lambda *a: pytest.fail("started processes"))
     with pytest.raises(ValueError, match="repeat must be a positive integer"):
         bench_distributed.run_distributed_bench(2, [256], repeat=0)
+
+
+def test_what_ranks_compare_tells_any_two_masks_and_scales_apart():
+    """The per-rank description compares padding lengths and the scale exactly (a weighted sum
+    modulo 2**31 and the scale rounded to 1e-6 let unlike arguments through)."""
+    from qkv.distributed import _float_bits, _MaskSpec
+
+    def code(kv_lengths):
+        return _MaskSpec("bottom_right", np.array(kv_lengths)).code()
+
+    for a, b in (([2, 1], [0, 2]), ([3, 3], [5, 2]), ([0], [2**31])):
+        assert code(a) != code(b)
+    assert code([3, 3]) == code([3, 3])
+    assert _float_bits(0.1) != _float_bits(0.1000004) and _float_bits(0.125) == _float_bits(1 / 8)

@@ -43,7 +43,9 @@ Run it under torchrun (see docs/distributed.md)::
 """
 from __future__ import annotations
 
+import hashlib
 import math
+import struct
 from dataclasses import dataclass
 
 import numpy as np
@@ -189,8 +191,20 @@ class _MaskSpec:
     def code(self) -> list[int]:
         """A few integers that identify the mask (compared across ranks)."""
         align = {None: 0, "bottom_right": 1, "top_left": 2}[self.causal_align]
-        digest = lambda a: -1 if a is None else int((a * np.arange(1, a.size + 1)).sum() % (2**31))  # noqa: E731
-        return [align, digest(self.kv_lengths), digest(self.q_lengths)]
+        return [align, _digest(self.kv_lengths), _digest(self.q_lengths)]
+
+
+def _digest(lengths) -> int:
+    """A signed 64-bit hash of a lengths array (-1 for None): ranks with other lengths differ."""
+    if lengths is None:
+        return -1
+    data = np.ascontiguousarray(lengths, dtype=np.int64).tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+
+
+def _float_bits(x: float) -> int:
+    """The float64's bits as a signed int64: equal exactly when the floats are."""
+    return struct.unpack("<q", struct.pack("<d", x))[0]
 
 
 _SUPPORTED = "mask=None, qkv.causal(), qkv.padding(kv_lengths, q_lengths) or qkv.causal() & qkv.padding(...)"
@@ -566,7 +580,7 @@ def _torch_block_grads(call: _Call, b: _Block, saved: _Saved, q_b, k_c, v_c):
 # The public function
 # ======================================================================================
 _META_FIELDS = ("arguments accepted", "batch", "Hq", "Hkv", "Lq/P", "Lk/P", "D", "Dv", "dtype", "layout",
-                "scale·1e6", "needs grad", "causal alignment", "kv_lengths", "q_lengths")
+                "scale (float64 bits)", "needs grad", "causal alignment", "kv_lengths (hash)", "q_lengths (hash)")
 
 
 def ring_attention(q, k, v, mask=None, *, scale=None, layout: str = "contiguous", group=None,
@@ -696,7 +710,7 @@ def _bind_global(call: _Call, world: int) -> None:
 def _describe(call: _Call) -> list[int]:
     B, Hq, Hkv, D, Dv = call.sizes
     return [B, Hq, Hkv, call.Lq, call.Lk, D, Dv, inputs.FLOAT_DTYPES.index(call.dtype),
-            LAYOUTS.index(call.layout), round(call.scale * 1e6), int(call.needs_grad)] + call.spec.code()
+            LAYOUTS.index(call.layout), _float_bits(call.scale), int(call.needs_grad)] + call.spec.code()
 
 
 def _default_device(ring: _Ring):
