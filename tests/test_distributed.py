@@ -448,3 +448,22 @@ def test_what_ranks_compare_tells_any_two_masks_and_scales_apart():
         assert code(a) != code(b)
     assert code([3, 3]) == code([3, 3])
     assert _float_bits(0.1) != _float_bits(0.1000004) and _float_bits(0.125) == _float_bits(1 / 8)
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="reads /proc to find the process")
+def test_a_rank_that_cannot_start_stops_the_ranks_already_running(tmp_path):
+    marker = "987.654"  # a sleep no other process here runs
+
+    def sleeping():
+        return [p for p in Path("/proc").glob("[0-9]*") if _cmdline(p) == ["sleep", marker]]
+
+    with pytest.raises(FileNotFoundError):
+        launch([["sleep", marker], [str(tmp_path / "no-such-program")]], tmp_path, timeout=30, env=dict(os.environ))
+    assert sleeping() == []
+
+
+def _cmdline(proc: Path) -> list:
+    try:
+        return proc.joinpath("cmdline").read_bytes().decode().split("\0")[:-1]
+    except OSError:  # the process ended meanwhile
+        return []

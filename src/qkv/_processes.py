@@ -17,9 +17,11 @@ def run_ranks(commands: list[list[str]], folder: Path, timeout: float, env: dict
     Raises RanksFailed, after killing every rank still running, when a rank exits with an
     error (the others get 5 s to report how they saw it) or the run takes over `timeout` s.
     """
-    logs = [open(folder / f"rank{rank}.log", "wb") for rank in range(len(commands))]
-    procs = [subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env) for cmd, log in zip(commands, logs)]
-    try:
+    logs, procs = [], []
+    try:  # from the first start on: a rank that cannot start still stops those already running
+        for rank, cmd in enumerate(commands):
+            logs.append(open(folder / f"rank{rank}.log", "wb"))
+            procs.append(subprocess.Popen(cmd, stdout=logs[-1], stderr=subprocess.STDOUT, env=env))
         _wait_all(procs, folder, timeout)
     finally:
         for p in procs:
