@@ -373,6 +373,13 @@ def test_shard_errors(call, message):
         call()
 
 
+@pytest.mark.parametrize("shards", [[np.zeros((2, 3)), torch.zeros(2, 3)],
+                                    [torch.zeros(2, 3, dtype=torch.float64), torch.zeros(2, 3)]])
+def test_unshard_refuses_shards_of_mixed_kinds_or_dtypes(shards):
+    with pytest.raises(TypeError, match="every shard must be an array of one kind and dtype"):
+        qd.unshard(shards)
+
+
 def test_ring_attention_errors_before_any_communication():
     q = k = v = torch.zeros(1, 2, 6, 4)
     with pytest.raises(ValueError, match=r"ring_attention supports mask=None, qkv.causal\(\).*got mask window"):

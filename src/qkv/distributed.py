@@ -160,6 +160,9 @@ def unshard(shards, layout: str = "contiguous", dim: int = -2):
     shapes = {tuple(s.shape) for s in shards}
     if len(shapes) > 1:
         raise ValueError(f"every shard must have the same shape; got {[tuple(s.shape) for s in shards]}")
+    kinds = [(_arrays.kind_of(s), inputs.dtype_name(s) if _arrays.kind_of(s) else None) for s in shards]
+    if len(set(kinds)) > 1 or kinds[0][0] is None:  # no silent casts, as everywhere in qkv
+        raise TypeError(f"every shard must be an array of one kind and dtype; got {kinds}")
     axis = _axis(shards[0], dim)
     local = shards[0].shape[axis]
     if local % per_rank:
