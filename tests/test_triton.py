@@ -228,6 +228,12 @@ def test_unsupported_calls_are_refused_with_the_reason(rng, kwargs, reason):
         qkv.attention(q, k, v, backend="triton", **kwargs)
 
 
+def test_more_batch_rows_than_the_launch_grid_holds_are_refused():
+    q = torch.zeros(65536, 1, 1, 8, device=DEVICE)  # B x H flattened into the batch: 65536 rows
+    with pytest.raises(qkv.BackendError, match="at most 65535 of each"):
+        qkv.attention(q, q, q, backend="triton")
+
+
 def test_float64_is_refused(rng):
     q, k, v = qkv_of(rng, "float32")
     with pytest.raises(qkv.BackendError, match="float64"):

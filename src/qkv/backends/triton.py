@@ -65,7 +65,8 @@ class TritonBackend(Backend):
         return super().automatic_refusal(inp)
 
     def extra_reasons(self, inp):
-        return _mask_reasons(inp) + inline_score_mod_reasons(inp, (Alibi, Softcap), "the triton kernel")
+        return (_mask_reasons(inp) + inline_score_mod_reasons(inp, (Alibi, Softcap), "the triton kernel")
+                + _grid_reasons(inp))
 
     def forward(self, inp):
         call = _Call(inp, _plan_masks(inp))
@@ -75,6 +76,17 @@ class TritonBackend(Backend):
 
     def workspace_bytes(self, inp):
         return 4 * inp.B * inp.Hq * inp.Lq  # lse; tiles live in registers and shared memory
+
+
+# Heads and batch rows are the launch grids' 2nd and 3rd dims, which CUDA caps at 65535.
+MAX_GRID_YZ = 65535
+
+
+def _grid_reasons(inp) -> list[str]:
+    if max(inp.B, inp.Hq) > MAX_GRID_YZ:
+        return [f"the triton kernel launches one program row per head and batch row, at most {MAX_GRID_YZ} "
+                f"of each (CUDA's grid); got {inp.B} batch rows and {inp.Hq} heads"]
+    return []
 
 
 # ---- masks ------------------------------------------------------------------------------------
