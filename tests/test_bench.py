@@ -1,6 +1,7 @@
 """`qkv bench`: it measures what it says, on tiny shapes (timings are never asserted)."""
 import json
 
+import numpy as np
 import pytest
 
 from qkv import bench, bench_distributed, cli
@@ -59,3 +60,17 @@ def test_distributed_runs_the_ring_benchmark_on_that_many_ranks(monkeypatch):
     monkeypatch.setattr(bench_distributed, "main", calls.append)
     assert cli.main(["bench", "--distributed", "1"]) == 0
     assert calls == [["--world", "1"]]
+
+
+@pytest.mark.parametrize("Lq,Lk", [(4, 4), (3, 5), (5, 3), (1, 9)])
+def test_causal_work_is_the_pairs_a_top_left_mask_allows(Lq, Lk, monkeypatch):
+    """qkv gets the top-left causal mask torch's is_causal means, and the flops count the pairs
+    it allows (square problems count half, as FlashAttention does)."""
+    allowed = np.tril(np.ones((Lq, Lk), dtype=bool))  # query i sees keys j <= i
+    w = bench.Workload("w", 1, 2, 2, Lq, Lk, 8, causal=True)
+    share = 0.5 if Lq == Lk else allowed.sum() / (Lq * Lk)
+    assert w.flops() == pytest.approx(4 * 2 * Lq * Lk * 8 * share)
+    masks = []
+    monkeypatch.setattr(bench, "attention", lambda q, k, v, mask, **kw: masks.append(mask))
+    bench._qkv_impl(w, "numpy")()()
+    np.testing.assert_array_equal(masks[0].materialize(Lq, Lk), allowed)

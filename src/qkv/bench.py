@@ -2,8 +2,9 @@
 
 Each workload runs every implementation on the same inputs, interleaved (round-robin, so
 drifting clocks and background load hit all of them alike), and reports the median time
-as GFLOP/s (4·B·H·Lq·Lk·D for the forward, half of it when causal, 2.5x for the
-backward) or, for decoding, as GB/s of K/V read; the ratio to torch's own
+as GFLOP/s (4·B·H·Lq·Lk·D for the forward; when causal, top-left aligned in every
+implementation, the share of pairs it allows, half for Lq = Lk; 2.5x for the backward)
+or, for decoding, as GB/s of K/V read; the ratio to torch's own
 `scaled_dot_product_attention`; and the peak memory a call added (resident set, Linux).
 """
 from __future__ import annotations
@@ -45,8 +46,17 @@ class Workload:
 
     def flops(self) -> float:
         f = 4.0 * self.B * self.Hq * self.Lq * self.Lk * self.D
-        f = f / 2 if self.causal else f
+        f = f * self.causal_share() if self.causal else f
         return f * 3.5 if self.backward else f  # forward + backward (2.5x)
+
+    def causal_share(self) -> float:
+        """The share of (query, key) pairs a top-left causal mask allows, query i seeing keys
+        j <= i: one half for square problems, as FlashAttention counts; exact otherwise."""
+        if self.Lq == self.Lk:
+            return 0.5
+        n = min(self.Lq, self.Lk)
+        pairs = n * (n + 1) / 2 + max(self.Lq - self.Lk, 0) * self.Lk
+        return pairs / (self.Lq * self.Lk)
 
     def bytes_read(self) -> float:
         element = 2 if self.dtype in ("bfloat16", "float16") else 4
@@ -138,7 +148,7 @@ def _qkv_impl(w, backend):
     def setup():
         kind = "numpy" if "torch" not in dispatch.REGISTRY[backend].caps.kinds else "torch"
         q, k, v = _inputs(w, kind, w.backward)
-        mask = causal() if w.causal else None
+        mask = causal(align="top_left") if w.causal else None  # what torch's is_causal and the flex peer mean
         run = lambda: attention(q, k, v, mask, backend=backend)  # noqa: E731
         return _with_backward(run, (q, k, v)) if w.backward else run
     return setup
@@ -153,7 +163,7 @@ def _torch_sdpa_impl(w, kernel: str | None = None):
         q, k, v = _inputs(w, "torch", w.backward)
 
         def run():
-            # torch's is_causal is top-left aligned: the same as qkv's causal() when Lq == Lk
+            # torch's is_causal is top-left aligned, as qkv's peers are given (see _qkv_impl)
             return F.scaled_dot_product_attention(q, k, v, is_causal=w.causal, enable_gqa=w.Hq != w.Hkv)
 
         def run_pinned():
