@@ -263,13 +263,19 @@ def measure_workload(w: Workload, repeats: int, peers: bool, progress=None) -> l
     return rows
 
 
-def memory_bandwidth_gbs(megabytes: int = 1024, repeats: int = 5) -> float:
-    """Read bandwidth: the best of a few threaded sums over a large float32 array."""
+def memory_bandwidth_gbs(device: str = "cpu", megabytes: int = 1024, repeats: int = 5) -> float:
+    """Read bandwidth of the device the workloads run on: the best of a few sums over a
+    large float32 array (threaded on a CPU)."""
     import torch
 
-    x = torch.ones(megabytes * 2**20 // 4)
-    x.sum()
-    best = min(_timed(lambda: x.sum()) for _ in range(repeats))
+    x = torch.ones(megabytes * 2**20 // 4, device=device)
+
+    def read():
+        x.sum()
+        if x.is_cuda:  # the sum is queued: wait for it
+            torch.cuda.synchronize()
+    read()
+    best = min(_timed(read) for _ in range(repeats))
     return x.numel() * 4 / best / 1e9
 
 
@@ -426,7 +432,7 @@ def run(args) -> int:
             steps = len(implementations(w, not args.no_peers)) + args.repeats
             task = bar.add_task(w.name, total=steps)
             results += measure_workload(w, args.repeats, not args.no_peers, lambda: bar.advance(task))
-    bandwidth = memory_bandwidth_gbs() if any(w.decoding for w in workloads) else None
+    bandwidth = memory_bandwidth_gbs(args.device) if any(w.decoding for w in workloads) else None
     table = Table(title=f"qkv bench, {info['date']}")
     for col in ("workload", "implementation", "time (ms)", "throughput", "vs torch sdpa", "peak MiB"):
         table.add_column(col, justify="left" if col in ("workload", "implementation") else "right")
@@ -443,7 +449,7 @@ def run(args) -> int:
         if r.error:
             console.print(f"[dim]{r.workload} / {r.impl}: did not run ({r.error})[/dim]")
     if bandwidth:
-        console.print(f"measured memory read bandwidth: {bandwidth:.1f} GB/s (torch sum over 1 GiB)")
+        console.print(f"measured memory read bandwidth: {bandwidth:.1f} GB/s (torch sum over 1 GiB on {args.device})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": info, "memory_read_gbs": bandwidth, "results": [asdict(r) for r in results]},
