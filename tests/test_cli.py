@@ -62,6 +62,8 @@ def test_bench_without_its_dependencies_gives_the_install_hint(monkeypatch, caps
     (["--distributed", "2", "--json", "x.json", "--shape", "1,1,64,8"],
      "--distributed takes no other option (got --shape, --json)"),
     (["--plot", "p.png"], "--plot needs --sweep on CPU"),
+    (["--dtype", "bfloat16"], "--dtype set the --shape workloads; give --shape too"),
+    (["--causal", "--backward"], "--causal, --backward set the --shape workloads; give --shape too"),
     (["--json", "missing/x.json"], "argument --json: cannot write 'missing/x.json': no folder"),
     (["--sweep", "--plot", "."], "argument --plot: cannot write '.': it is a folder"),
 ])

@@ -398,6 +398,10 @@ def check_arguments(parser, args) -> None:
                          "python -m qkv.bench_distributed takes the ring benchmark's options")
     if args.plot and not (args.sweep and args.device == "cpu"):
         parser.error("--plot needs --sweep on CPU (it plots the sequence-length sweep)")
+    shape_only = [f"--{dest}" for dest in ("dtype", "causal", "backward") if getattr(args, dest)]
+    if shape_only and not args.shape:
+        parser.error(f"{', '.join(shape_only)} set the --shape workloads; give --shape too (the default suite "
+                     "has its own dtypes and masks)")
 
 
 def run(args) -> int:
