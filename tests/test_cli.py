@@ -75,3 +75,12 @@ def test_bench_argument_errors_are_one_line_before_anything_runs(monkeypatch, tm
     assert exc.value.code == 2
     assert f"qkv bench: error: {message}" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(monkeypatch):
+    """`qkv info | head -1`: when the reader has closed the pipe, the command stops quietly."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader has left
+    with open(write_end, "w", buffering=1) as closed_pipe:  # line-buffered: the first line fails
+        monkeypatch.setattr(sys, "stdout", closed_pipe)
+        assert cli.main(["info"]) == 141

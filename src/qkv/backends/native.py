@@ -9,6 +9,7 @@ modifiers the kernel applies inline (ALiBi, a bias, softcap).
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import warnings
@@ -22,10 +23,19 @@ from . import base
 from .base import (Backend, Capabilities, autograd_attention, inline_score_mod_reasons, key_intervals,
                    row_tile_classes, softmax_delta, tile_workspace)
 
+def _extension_file_exists() -> bool:
+    try:
+        return importlib.util.find_spec("qkv._native") is not None
+    except (ImportError, ValueError):  # e.g. sys.modules["qkv._native"] = None
+        return False
+
+
 try:
     from .. import _native
 except ImportError as error:  # not built (no compiler) or not importable here
-    _native, _import_error, _ON_AMX = None, error, False
+    _native, _ON_AMX = None, False
+    _import_error = (f"cannot load: {error}" if _extension_file_exists() else "not built: no C++17 compiler was "
+                     "found when qkv was installed (install it again with one; `pip install -v` shows the build)")
 else:
     _import_error = None
     _ON_AMX = _native.isa() == "amx"  # chosen once, when the kernel loads
@@ -72,7 +82,7 @@ class NativeBackend(Backend):
 
     def missing(self):
         if _native is None:
-            return f"the native kernel is not built or cannot load ({_import_error})"
+            return f"the native kernel is {_import_error}"
         return None
 
     def detail(self):
