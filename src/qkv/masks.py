@@ -220,25 +220,36 @@ class IntervalMask(Mask):
         return super().__and__(other)
 
     def _classify(self, geom, block_q, block_k):
+        """Tile classes from the rows' key intervals in O(B·Lq + B·nq·nk) memory: a tile is FULL
+        when its rows' largest lo and smallest hi span it, EMPTY when no row's interval reaches it."""
         nq, nk = _cdiv(geom.Lq, block_q), _cdiv(geom.Lk, block_k)
         probe = np.zeros(0)
         b, _, qi, _ = tile_indices(probe, np.arange(geom.batch), [0], 0, nq * block_q, 0, 1)
-        lo, hi = (np.broadcast_to(x, (geom.batch, 1, nq * block_q, 1))[:, 0, :, 0] for x in self.interval(b, qi, geom))
-        lo = np.maximum(lo, 0)
-        hi = np.minimum(hi, geom.Lk - 1)
-        real_row = (np.arange(nq * block_q) < geom.Lq)
-        # (B, nq, bq, 1) against tile bounds (1, 1, 1, nk)
-        lo = lo.reshape(geom.batch, nq, block_q, 1)
-        hi = hi.reshape(geom.batch, nq, block_q, 1)
-        real_row = real_row.reshape(1, nq, block_q, 1)
-        k0 = (np.arange(nk) * block_k).reshape(1, 1, 1, nk)
+        lo, hi = (np.broadcast_to(x, (geom.batch, 1, nq * block_q, 1))[:, 0, :, 0]
+                  for x in self.interval(b, qi, geom))
+        lo, hi = np.maximum(lo, 0), np.minimum(hi, geom.Lk - 1)  # (B, nq*bq), clipped to the keys
+        real_row = np.arange(nq * block_q) < geom.Lq  # the last tile's padding rows count for nothing
+        lo_max = np.where(real_row, lo, -1).reshape(geom.batch, nq, block_q).max(axis=2, initial=-1)
+        hi_min = np.where(real_row, hi, geom.Lk).reshape(geom.batch, nq, block_q).min(axis=2, initial=geom.Lk)
+        k0 = np.arange(nk) * block_k  # (nk,) first and last key of each tile
         k1 = np.minimum(k0 + block_k, geom.Lk) - 1
-        row_full = (lo <= k0) & (hi >= k1)
-        row_empty = (hi < k0) | (lo > k1) | (lo > hi)
-        full = (row_full | ~real_row).all(axis=2)
-        empty = (row_empty | ~real_row).all(axis=2)
-        classes = np.where(full, FULL, np.where(empty, EMPTY, PARTIAL)).astype(np.int8)
+        full = (lo_max[..., None] <= k0) & (hi_min[..., None] >= k1)  # (B, nq, nk)
+        classes = np.full(full.shape, PARTIAL, dtype=np.int8)  # int8 throughout: np.where would make int64
+        classes[~_tiles_reached(lo, hi, real_row, geom.batch, nq, nk, block_q, block_k)] = EMPTY
+        classes[full] = FULL  # a FULL tile is reached: the two never meet
         return _squeeze_unused(classes[:, None])
+
+
+def _tiles_reached(lo, hi, real_row, n_batch, nq, nk, block_q, block_k):
+    """(B, nq, nk) bool: some real row of the query tile sees a key of the key tile. A row's
+    interval reaches the key tiles from lo's to hi's: per (b, t) and first tile, the furthest
+    last tile, carried along the tiles by a running maximum."""
+    valid = real_row & (lo <= hi)  # (B, nq*bq)
+    b, row = np.nonzero(valid)
+    reach = np.full((n_batch, nq, nk), -1, dtype=np.int32)  # furthest last tile of rows starting at this one
+    np.maximum.at(reach, (b, row // block_q, lo[b, row] // block_k), hi[b, row] // block_k)
+    np.maximum.accumulate(reach, axis=2, out=reach)
+    return reach >= np.arange(nk, dtype=np.int32)
 
 
 def _offset(align: str, geom: Geometry) -> int:

@@ -20,7 +20,7 @@ from .. import _arrays
 from .._threads import available_cpus
 from ..masks import PARTIAL, Alibi, Bias, IntervalMask, Softcap, tile_indices
 from . import base
-from .base import (Backend, Capabilities, autograd_attention, inline_score_mod_reasons, key_intervals,
+from .base import (Backend, Capabilities, autograd_attention, cdiv, inline_score_mod_reasons, key_intervals,
                    row_tile_classes, softmax_delta, tile_workspace)
 
 def _extension_file_exists() -> bool:
@@ -134,7 +134,17 @@ class NativeBackend(Backend):
     def workspace_bytes(self, inp):
         threads = self.num_threads
         return tile_workspace(threads, *self.block_sizes(inp), inp.group, inp.D, inp.Dv, "float32") \
-            + 4 * inp.B * inp.Hq * inp.Lq + self._packed_bytes(inp)
+            + 4 * inp.B * inp.Hq * inp.Lq + self._packed_bytes(inp) + self._mask_bytes(inp)
+
+    def _mask_bytes(self, inp):
+        """What a mask hands the kernel: a class per tile and, for masks that are not key
+        intervals, a bitmap of every PARTIAL tile (at most one byte per score: all of them)."""
+        if inp.mask is None:
+            return 0
+        block_q, block_k = self.block_sizes(inp)
+        classes = inp.B * inp.Hkv * cdiv(inp.Lq, block_q) * cdiv(inp.Lk, block_k)
+        bitmaps = 0 if isinstance(inp.mask, IntervalMask) else inp.B * inp.Hq * inp.Lq * inp.Lk
+        return classes + bitmaps
 
     def _packed_bytes(self, inp):
         """The AMX path's bfloat16 copies of V and, for float32, of K, each in 3 parts."""
