@@ -15,7 +15,7 @@ CHROMIUM = next((shutil.which(name) for name in ("chromium", "chromium-browser",
                  if shutil.which(name)), None)
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="needs a headless browser: apt-get install chromium")
 
-TOKENS = ["[CLS]", "the", "cat", "sat", "</script>", "[SEP]"]
+TOKENS = ["[CLS]", "the", "cat", "<!--<script>", "</script>", "[SEP]"]  # two that could break the page
 
 
 def sample_weights(layers=2, heads=3, L=len(TOKENS), seed=0):
@@ -104,9 +104,12 @@ def test_png_grid_has_a_panel_per_head_with_token_labels(tmp_path):
 # --------------------------------------------------------------------------------------
 # HTML head view
 # --------------------------------------------------------------------------------------
+def _data_block(page: str) -> str:
+    return re.search(r'<script id="qkv-data" type="application/json">(.*?)</script>', page, re.S).group(1)
+
+
 def _embedded_data(page: str) -> dict:
-    block = re.search(r'<script id="qkv-data" type="application/json">(.*?)</script>', page, re.S).group(1)
-    return json.loads(block.replace("<\\/", "</"))
+    return json.loads(_data_block(page))
 
 
 def test_html_is_self_contained_and_carries_the_weights(tmp_path):
@@ -114,7 +117,7 @@ def test_html_is_self_contained_and_carries_the_weights(tmp_path):
     page = viz.head_view_html(w, TOKENS, path=tmp_path / "view.html", title="cats & <dogs>")
     assert (tmp_path / "view.html").read_text(encoding="utf-8") == page
     assert not re.search(r"""(src|href)\s*=|<link|@import|url\(|fetch\(|XMLHttpRequest""", page)  # fetches nothing
-    assert page.count("</script>") == 2  # the token "</script>" did not end a block early
+    assert page.count("</script>") == 2 and "<" not in _data_block(page)  # no token can end or hide it
     data = _embedded_data(page)
     assert data["tokens"] == TOKENS and data["key_tokens"] == TOKENS and data["title"] == "cats & <dogs>"
     np.testing.assert_allclose(np.array(data["weights"]), w, atol=5e-5)
@@ -146,7 +149,7 @@ def test_head_view_renders_in_a_real_browser(tmp_path):
     assert 'data-ready="1"' in dom  # the script ran to its end
     for side in ("q", "k"):  # every token drawn by the script, on both sides
         drawn = re.findall(rf'<text [^>]*class="token" data-side="{side}"[^>]*>(.*?)</text>', dom)
-        assert drawn == ["[CLS]", "the", "cat", "sat", "&lt;/script&gt;", "[SEP]"]
+        assert drawn == ["[CLS]", "the", "cat", "&lt;!--&lt;script&gt;", "&lt;/script&gt;", "[SEP]"]
     assert len(re.findall(r"<line ", dom)) > 20  # the attention lines
     assert dom.count("<option") == 2 + 1 + 3  # 2 layers; all heads + 3 heads
 

@@ -199,8 +199,15 @@ def _label_axes(ax, maps, *, left: bool, bottom: bool):
     """Token labels on the left column and the bottom row only (up to 48 of them)."""
     Lq, Lk = len(maps.tokens), len(maps.key_tokens)
     size = 7 if max(Lq, Lk) <= 24 else 5
-    ax.set_yticks(range(Lq), maps.tokens if left and Lq <= 48 else [""] * Lq, fontsize=size)
-    ax.set_xticks(range(Lk), maps.key_tokens if bottom and Lk <= 48 else [""] * Lk, fontsize=size, rotation=90)
+    # no ticks at all where no label shows: a tick per position costs seconds at a thousand
+    if left and Lq <= 48:
+        ax.set_yticks(range(Lq), maps.tokens, fontsize=size)
+    else:
+        ax.set_yticks([])
+    if bottom and Lk <= 48:
+        ax.set_xticks(range(Lk), maps.key_tokens, fontsize=size, rotation=90)
+    else:
+        ax.set_xticks([])
     ax.tick_params(length=0)
 
 
@@ -243,7 +250,7 @@ def head_view_html(weights, tokens=None, *, key_tokens=None, layer=0, head=-1, p
         "weights": np.round(maps.weights, digits).tolist(),  # [layer][head][query][key]
     }
     text = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    text = text.replace("</", "<\\/")  # a token like "</script>" must not close the data block
+    text = text.replace("<", "\\u003c")  # no token ("</script>", "<!--<script>") may end or hide the data block
     page = _TEMPLATE.read_text(encoding="utf-8")
     page = page.replace("__TITLE__", _escape(data["title"])).replace("__DATA__", text)
     if path is not None:
@@ -338,6 +345,8 @@ def run(args) -> int:
         if args.html:
             head_view_html(maps, layer=0 if args.layer is None else args.layer, path=args.html)
             print(f"wrote {args.html}")
+    except BrokenPipeError:
+        raise  # the reader left: the qkv command ends quietly
     except (ValueError, TypeError, ImportError, OSError) as error:
         print(f"qkv viz: {error}", file=sys.stderr)
         return 2
