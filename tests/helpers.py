@@ -17,7 +17,7 @@ try:
 except ImportError:  # pragma: no cover - the dev extra installs torch
     torch = None
 
-ATOL = {"float64": 1e-12, "float32": 2e-6, "float16": 2e-3, "bfloat16": 1e-2}
+from qkv.backends.base import ATOL  # noqa: E402 (the tolerance rule's absolute terms: one place)
 
 #: Backends under test: every registered CPU one that can run here, except the oracle itself
 #: (GPU backends have their own tests).

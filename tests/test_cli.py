@@ -19,7 +19,37 @@ def test_info_lists_every_backend_and_why(capsys):
 
 def test_check_passes(capsys):
     assert cli.main(["check"]) == 0
-    assert "FAILED" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "FAILED" not in out and "numpy      float32" in out and "native     bfloat16" in out
+
+
+def _numpy_backend_off(monkeypatch, change):
+    """The numpy backend's forward, its (out, lse) passed through change."""
+    numpy_backend = dispatch.REGISTRY["numpy"]
+    forward = numpy_backend.forward
+    monkeypatch.setattr(numpy_backend, "forward", lambda inp: change(*forward(inp)))
+
+
+@pytest.mark.parametrize("change", [
+    lambda out, lse: (out * (1 + 4e-6), lse),  # past the rule in float32 (2 * 5e-7 + 2e-6), under the old 1e-5
+    lambda out, lse: (out, lse + 1e-5),  # the output right, the lse wrong
+    lambda out, lse: (out.__setitem__((0, 0, 5), 0.0) or out, lse),  # one row zeroed
+])
+def test_check_fails_a_backend_the_rule_fails(monkeypatch, capsys, change):
+    _numpy_backend_off(monkeypatch, change)
+    assert cli.main(["check"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[:2] for line in lines if "FAILED" in line] == [["numpy", "float64"], ["numpy", "float32"]]
+
+
+def test_check_reports_a_backend_that_raises_and_goes_on(monkeypatch, capsys):
+    def broken(out, lse):
+        raise RuntimeError("broken kernel")
+    _numpy_backend_off(monkeypatch, broken)
+    assert cli.main(["check"]) == 1
+    out = capsys.readouterr().out
+    assert "numpy      float64   causal GQA: RuntimeError: broken kernel  FAILED" in out
+    assert "torch      float32" in out and "native     float32" in out  # the others ran
 
 
 def test_unknown_command_is_an_error(capsys):

@@ -35,28 +35,58 @@ def cmd_info(args) -> int:
 
 
 def cmd_check(args) -> int:
-    """A quick self-test: every available backend against the float64 reference."""
-    import qkv
+    """A quick self-test: every available backend, in each of its dtypes, against the float64
+    reference by the tolerance rule, output and lse (a causal grouped-query problem)."""
     from qkv import dispatch
 
     rng = np.random.default_rng(0)
-    q, k, v = (rng.standard_normal((2, 4, n, 32)) for n in (67, 91, 91))
-    want = qkv.attention(q, k, v, qkv.causal(), backend="reference")
+    arrays64 = [rng.standard_normal(shape) for shape in ((2, 4, 67, 32), (2, 2, 91, 32), (2, 2, 91, 24))]
     failures = 0
     for name, backend in dispatch.REGISTRY.items():
         if name == "reference" or backend.missing():
             continue
-        dtype = "float64" if "float64" in backend.caps.dtypes else "float32"
-        arrays = [x.astype(dtype) for x in (q, k, v)]
-        on_cpu = backend.accepts_device("cpu")
-        if "numpy" not in backend.caps.kinds or not on_cpu:
-            arrays = _as_torch(*arrays, device="cpu" if on_cpu else "cuda")
-        got = np.asarray(qkv.attention(*arrays, qkv.causal(), backend=name).tolist())
-        err = float(np.abs(got - want).max())
-        ok = err < (1e-10 if dtype == "float64" else 1e-5)
-        failures += not ok
-        print(f"{name:<10} {dtype} causal, max error {err:.1e}  {'ok' if ok else 'FAILED'}")
+        for dtype in [d for d in ("float64", "float32", "bfloat16") if d in backend.caps.dtypes]:
+            try:
+                report, ok = _check_one(name, backend, dtype, arrays64)
+            except Exception as error:  # a backend that fails is reported, and the others still run
+                report, ok = f"{type(error).__name__}: {error}", False
+            failures += not ok
+            print(f"{name:<10} {dtype:<9} causal GQA: {report}  {'ok' if ok else 'FAILED'}")
     return 1 if failures else 0
+
+
+def _check_one(name, backend, dtype, arrays64):
+    """(what was measured, whether it is within the rule) for one backend in one dtype."""
+    import qkv
+    from qkv.backends.base import within_rule
+
+    on_cpu = backend.accepts_device("cpu")
+    as_torch = dtype == "bfloat16" or "numpy" not in backend.caps.kinds or not on_cpu
+    arrays = _as_torch(*arrays64, device="cpu" if on_cpu else "cuda", dtype=dtype) if as_torch else \
+        [x.astype(dtype) for x in arrays64]
+    rounded = [np.asarray(_to_cpu(x).tolist()) for x in arrays]  # the inputs as the backend sees them, in float64
+    oracle = qkv.attention(*rounded, qkv.causal(), backend="reference", return_lse=True)
+    in_dtype = qkv.attention(*map(_to_cpu, arrays), qkv.causal(), backend="reference", return_lse=True)
+    got = qkv.attention(*arrays, qkv.causal(), backend=name, return_lse=True)
+    errors = [_max_err(g, want) for g, want in zip(got, oracle)]
+    reference_errors = [_max_err(r, want) for r, want in zip(in_dtype, oracle)]
+    ok = all(within_rule(e, r, dtype) for e, r in zip(errors, reference_errors))
+    return f"max error out {errors[0]:.1e}, lse {errors[1]:.1e} (plain formula in {dtype}: " \
+           f"{reference_errors[0]:.1e}, {reference_errors[1]:.1e})", ok
+
+
+def _to_cpu(x):
+    return x.cpu() if hasattr(x, "cpu") else x
+
+
+def _max_err(got, want) -> float:
+    """Largest |got - want| where want is finite; a NaN anywhere, or a finite value where want is
+    -inf (a row with no key), is an infinite error."""
+    got, want = np.asarray(_to_cpu(got).tolist(), dtype=np.float64), np.asarray(want, dtype=np.float64)
+    finite = np.isfinite(want)
+    if np.isnan(got).any() or not np.array_equal(got[~finite], want[~finite]):
+        return float("inf")
+    return float(np.abs(got[finite] - want[finite]).max(initial=0.0))
 
 
 def cmd_bench(args) -> int:
@@ -79,10 +109,10 @@ def cmd_demo(args) -> int:
     return 0
 
 
-def _as_torch(*arrays, device="cpu"):
+def _as_torch(*arrays, device="cpu", dtype=None):
     import torch
 
-    return tuple(torch.tensor(a, device=device) for a in arrays)
+    return tuple(torch.tensor(a, device=device, dtype=getattr(torch, dtype) if dtype else None) for a in arrays)
 
 
 def _torch_version() -> str:

@@ -216,6 +216,15 @@ def count_tiles(computed: int, masked: int) -> None:
         tile_counter.masked += masked
 
 
+#: The tolerance rule's absolute term per dtype: a backend in dtype t may be off the float64
+#: oracle by at most 2 * (what the plain formula run in t is off) + ATOL[t].
+ATOL = {"float64": 1e-12, "float32": 2e-6, "float16": 2e-3, "bfloat16": 1e-2}
+
+
+def within_rule(err: float, reference_err: float, dtype: str) -> bool:
+    return err <= 2 * reference_err + ATOL[dtype]
+
+
 # --------------------------------------------------------------------------------------
 # Dropout from a counter-based hash: the keep decision for (b, h, i, j) depends only on
 # the seed and the indices, so forward and backward, tiled or not, NumPy or torch,
