@@ -50,3 +50,20 @@ def test_long_sequence_stays_linear_in_memory(kind, mask):
     assert report["shape"] == [1, L, 64] and report["finite"]
     assert report["backend"] != "reference"
     assert report["grown"] < LIMIT, f"{kind} via {report['backend']}: peak grew by {report['grown'] / 2**20:.1f} MiB"
+
+
+def test_explain_counts_the_plain_formula_as_the_oracle_holds_it_and_a_masks_bitmaps():
+    import numpy as np
+
+    import qkv
+    from qkv import dispatch
+
+    q = np.zeros((1, 8, 1024, 64), np.float32)
+    plain = qkv.explain(q, q, q)
+    assert plain.formula_bytes == qkv.explain(q, q, q, backend="reference").workspace_bytes == 3 * 8 * 1024**2 * 4
+    if plain.backend != "native":
+        pytest.skip(f"the native kernel is not here ({dispatch.REGISTRY['native'].missing()})")
+    rule = qkv.explain(q, q, q, qkv.mask_fn(lambda b, h, i, j: (i + j) % 3 != 0))
+    interval = qkv.explain(q, q, q, qkv.causal())
+    assert rule.workspace_bytes - plain.workspace_bytes >= 8 * 1024**2  # up to a byte a score, in bitmaps
+    assert 0 < interval.workspace_bytes - plain.workspace_bytes < 2**16  # a byte a tile

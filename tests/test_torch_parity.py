@@ -1,5 +1,4 @@
 """The torch backend equals torch.nn.functional.scaled_dot_product_attention where both apply."""
-import numpy as np
 import pytest
 
 import qkv

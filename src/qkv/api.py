@@ -14,7 +14,7 @@ import numpy as np
 
 from . import _arrays, dispatch, inputs
 from .backends import reference
-from .backends.base import compute_dtype_name, nbytes
+from .backends.base import compute_dtype_name
 
 
 def attention(q, k, v, mask=None, *, score_mod=None, scale=None, dropout_p=0.0, seed=None,
@@ -145,5 +145,5 @@ def explain(q, k, v, mask=None, *, score_mod=None, scale=None, dropout_p=0.0, se
         f"{inp.dropped_mask!r} (allows every pair at these sizes: not applied)"
     shapes = (f"{inp.kind} {inp.dtype} on {inp.device}; q {tuple(q.shape)}, k {tuple(k.shape)}, "
               f"v {tuple(v.shape)}; mask {mask_text}; score_mod {list(inp.score_mods)}")
-    formula = 2 * inp.B * inp.Hq * inp.Lq * inp.Lk * nbytes(compute_dtype_name(inp.dtype))
+    formula = dispatch.REGISTRY["reference"].workspace_bytes(inp)  # the plain formula is the oracle
     return Report(choice.backend.name, choice.refused, choice.backend.workspace_bytes(inp), formula, shapes)

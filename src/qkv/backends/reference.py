@@ -99,6 +99,7 @@ class ReferenceBackend(Backend):
         return tuple(_arrays.sum_groups(g, inp.group) if g is not dq else g for g in (dq, dk, dv))
 
     def workspace_bytes(self, inp):
+        """Its (B, Hq, Lq, Lk) temporaries alive at once: the scores, their exp and the weights."""
         return 3 * inp.B * inp.Hq * inp.Lq * inp.Lk * nbytes(compute_dtype_name(inp.dtype))
 
 
