@@ -270,3 +270,14 @@ def test_kernels_compile_for_an_h100():
     lines = [line.split() for line in done.stdout.splitlines()]
     assert [line[0] for line in lines] == ["forward"] * 4 + ["dkdv"] * 4 + ["dq"] * 4
     assert all(int(line[2]) <= 227 * 1024 for line in lines)  # an H100 block's shared memory
+
+
+def test_outside_the_interpreter_cpu_inputs_are_refused_for_their_device_only():
+    """Naming triton for CPU inputs without the interpreter cannot run them, so the refusal
+    does not say "chosen only when named"."""
+    script = ("import numpy as np, qkv\nq = np.zeros((1, 2, 8, 4), np.float32)\n"
+              "print(qkv.explain(q, q, q).refused['triton'])")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "inputs are on cpu" in out.stdout and "only when named" not in out.stdout

@@ -60,7 +60,7 @@ class TritonBackend(Backend):
         return None
 
     def automatic_refusal(self, inp):
-        if inp.device.startswith("cpu"):
+        if inp.device.startswith("cpu") and interpreting():  # without it, CPU inputs are refused anyway
             return "the Triton interpreter is chosen only when named (it is slow)"
         return super().automatic_refusal(inp)
 
