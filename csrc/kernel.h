@@ -13,6 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <cmath>
+
 #include "problem.h"
 #include "vec.h"
 
@@ -905,8 +907,10 @@ inline void online_softmax_rows(int n, int cols, int ld, int Dv, float* S, float
     fill(s + cols, span - cols, NEG_INF);
     Vec mx = Vec::set1(NEG_INF);
     for (int c = 0; c < span; c += W) mx = Vec::max(mx, Vec::load(s + c));
-    const float tile_max = mx.reduce_max();
-    const float m_new = tile_max > m[rr] ? tile_max : m[rr];
+    // a NaN score makes the row's maximum NaN, so it propagates: vector max keeps NaN in some
+    // lanes only, and a NaN maximum failed the comparison, leaving the tile out as if all masked
+    const float tile_max = mx.any_nan() ? NAN : mx.reduce_max();
+    const float m_new = tile_max > m[rr] || std::isnan(tile_max) ? tile_max : m[rr];
     if (m_new == NEG_INF) {  // nothing allowed yet: contributes nothing
       fill(s, ld, 0.f);
       continue;

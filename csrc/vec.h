@@ -65,6 +65,7 @@ struct Vec {
   friend Vec operator+(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
   static Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
   static bool all_equal(Vec a, Vec b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_EQ_OQ) == 0xffff; }
+  bool any_nan() const { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0; }
   // x where x > -inf, else 0 (a row max with nothing allowed yet shifts by 0)
   static Vec finite_or_zero(Vec x) {
     __mmask16 none = _mm512_cmp_ps_mask(x.v, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
@@ -121,6 +122,7 @@ struct Vec {
   friend Vec operator+(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
   static Vec max(Vec a, Vec b) { return {_mm256_max_ps(a.v, b.v)}; }
   static bool all_equal(Vec a, Vec b) { return _mm256_movemask_ps(_mm256_cmp_ps(a.v, b.v, _CMP_EQ_OQ)) == 0xff; }
+  bool any_nan() const { return _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0; }
   static Vec finite_or_zero(Vec x) {
     return {_mm256_blendv_ps(x.v, _mm256_setzero_ps(), _mm256_cmp_ps(x.v, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ))};
   }
@@ -181,7 +183,13 @@ struct Vec {  // portable: plain loops the compiler may vectorise for the baseli
   friend Vec operator*(Vec a, Vec b) { for (int i = 0; i < W; ++i) a.v[i] *= b.v[i]; return a; }
   friend Vec operator-(Vec a, Vec b) { for (int i = 0; i < W; ++i) a.v[i] -= b.v[i]; return a; }
   friend Vec operator+(Vec a, Vec b) { for (int i = 0; i < W; ++i) a.v[i] += b.v[i]; return a; }
-  static Vec max(Vec a, Vec b) { for (int i = 0; i < W; ++i) a.v[i] = b.v[i] > a.v[i] ? b.v[i] : a.v[i]; return a; }
+  // as x86's max: b unless a > b, so a NaN in either gives b (the SIMD paths' NaN behaviour)
+  static Vec max(Vec a, Vec b) { for (int i = 0; i < W; ++i) a.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i]; return a; }
+  bool any_nan() const {
+    for (int i = 0; i < W; ++i)
+      if (v[i] != v[i]) return true;
+    return false;
+  }
   static bool all_equal(Vec a, Vec b) {
     for (int i = 0; i < W; ++i)
       if (!(a.v[i] == b.v[i])) return false;

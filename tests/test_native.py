@@ -204,7 +204,15 @@ for hq in (6, 2):
         got = qkv.attention(q_, k_, v_, backend="native").double()
         want = qkv.attention(*(x.double() for x in (q_, k_, v_)), backend="reference")
         errors.append((got - want).abs().max().item() / tolerance * 1e-5)
-print(native._native.isa(), float(max(errors)))
+# a NaN query row gives NaN out and lse on the decoding path and on the tiles, and only there
+torch.manual_seed(0)
+nan_propagates = True
+for lq in (1, 40):
+    q, k, v = (torch.randn(1, 2, n, 48) for n in (lq, 300, 300))
+    q[0, 1, 0, 0] = float("nan")
+    out, lse = qkv.attention(q, k, v, backend="native", return_lse=True)
+    nan_propagates &= bool(out[0, 1, 0].isnan().all() and lse[0, 1, 0].isnan() and not out[0, 0].isnan().any())
+print(native._native.isa(), float(max(errors)), nan_propagates)
 """
 
 
@@ -217,10 +225,11 @@ def _run_script(code, env=None):
 
 @pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
 def test_every_instruction_set_variant(isa):
-    """A masked forward and decoding steps (both dtypes) on each instruction set's kernel."""
-    chosen, err = _run_script(SCRIPT, env={**os.environ, "QKV_ISA": isa}).split()
+    """A masked forward, decoding steps (both dtypes) and NaN propagation on each instruction set's kernel."""
+    chosen, err, nan_propagates = _run_script(SCRIPT, env={**os.environ, "QKV_ISA": isa}).split()
     assert chosen == isa
     assert float(err) < 1e-5  # bfloat16 errors scaled to the float32 tolerance
+    assert nan_propagates == "True"
 
 
 def test_info_says_how_the_kernel_runs(capsys):
@@ -374,3 +383,24 @@ def test_decoding_path(rng, mask, lq, hq, hkv, dtype, d, dv):
     got = qkv.attention(*arrays, backend="native", **kwargs)
     want = qkv.attention(*(to64(x) for x in arrays), backend="reference", **kwargs)  # of the rounded inputs
     assert_within_rule(got, want, qkv.attention(*arrays, backend="reference", **kwargs), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nan_propagates_on_the_decoding_path(dtype):
+    """A NaN query, or a NaN in any one key, makes the output and lse NaN on the few-queries
+    path (a NaN tile maximum failed a comparison there, and the tile was left out as masked)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, n, 64, generator=g).to(dtype) for n in (1, 3000, 3000))
+    assert not native.on_amx(inputs.prepare(q, k, v))  # the decoding path, on the vector units
+    with_nan = q.clone()
+    with_nan[0, 0, 0, 3] = float("nan")
+    out, lse = qkv.attention(with_nan, k, v, backend="native", return_lse=True)
+    assert torch.isnan(out).all() and torch.isnan(lse).all()
+    lost = []
+    for key in range(k.shape[2]):  # the lane where NaN survived the max depends on the position
+        with_nan = k.clone()
+        with_nan[0, 0, key, 5] = float("nan")
+        out, lse = qkv.attention(q, with_nan, v, backend="native", return_lse=True)
+        if not (torch.isnan(out).all() and torch.isnan(lse).all()):
+            lost.append(key)
+    assert lost == []
