@@ -108,3 +108,9 @@ def test_no_grad_runs_any_backend_and_records_nothing(backend, rng):
     want = qkv.attention(*(to64(x) for x in (q, k, v)), qkv.causal(), backend="reference")
     ref = qkv.attention(*(to64(x).astype(np.float32) for x in (q, k, v)), qkv.causal(), backend="reference")
     assert_within_rule(to64(out), want, ref, "float32")
+
+
+@pytest.mark.parametrize("backend", GRAD_BACKENDS)
+@pytest.mark.parametrize("Lq,Lk", [(0, 7), (7, 0)])
+def test_empty_sequences_have_empty_or_zero_gradients_as_the_oracle_says(backend, rng, Lq, Lk):
+    check_gradients(backend, leaves(rng, torch.float32, Lq=Lq, Lk=Lk), {}, rng)
