@@ -906,10 +906,15 @@ inline void online_softmax_rows(int n, int cols, int ld, int Dv, float* S, float
     float* s = S + int64_t(rr) * ld;
     fill(s + cols, span - cols, NEG_INF);
     Vec mx = Vec::set1(NEG_INF);
-    for (int c = 0; c < span; c += W) mx = Vec::max(mx, Vec::load(s + c));
-    // a NaN score makes the row's maximum NaN, so it propagates: vector max keeps NaN in some
-    // lanes only, and a NaN maximum failed the comparison, leaving the tile out as if all masked
-    const float tile_max = mx.any_nan() ? NAN : mx.reduce_max();
+    bool nan = false;  // a NaN score must make the row's maximum NaN: vector max drops it
+    for (int c = 0; c < span; c += W) {
+      const Vec x = Vec::load(s + c);
+      nan |= x.any_nan();
+      mx = Vec::max(mx, x);
+    }
+    // a NaN maximum becomes the row's, so NaN propagates (a comparison with it fails, and the
+    // tile was left out as if all masked)
+    const float tile_max = nan ? NAN : mx.reduce_max();
     const float m_new = tile_max > m[rr] || std::isnan(tile_max) ? tile_max : m[rr];
     if (m_new == NEG_INF) {  // nothing allowed yet: contributes nothing
       fill(s, ld, 0.f);

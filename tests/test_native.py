@@ -207,10 +207,10 @@ for hq in (6, 2):
 # a NaN query row gives NaN out and lse on the decoding path and on the tiles, and only there
 torch.manual_seed(0)
 nan_propagates = True
-for lq in (1, 40):
-    q, k, v = (torch.randn(1, 2, n, 48) for n in (lq, 300, 300))
+for lq, lk, mask in ((1, 300, None), (40, 300, None), (3, 3, qkv.causal())):  # causal: row 0 sees one key
+    q, k, v = (torch.randn(1, 2, n, 48) for n in (lq, lk, lk))
     q[0, 1, 0, 0] = float("nan")
-    out, lse = qkv.attention(q, k, v, backend="native", return_lse=True)
+    out, lse = qkv.attention(q, k, v, mask, backend="native", return_lse=True)
     nan_propagates &= bool(out[0, 1, 0].isnan().all() and lse[0, 1, 0].isnan() and not out[0, 0].isnan().any())
 print(native._native.isa(), float(max(errors)), nan_propagates)
 """
@@ -395,6 +395,9 @@ def test_nan_propagates_on_the_decoding_path(dtype):
     with_nan = q.clone()
     with_nan[0, 0, 0, 3] = float("nan")
     out, lse = qkv.attention(with_nan, k, v, backend="native", return_lse=True)
+    assert torch.isnan(out).all() and torch.isnan(lse).all()
+    # one allowed key: the NaN lane is followed by -inf (masked and padding keys) in the max
+    out, lse = qkv.attention(with_nan, k, v, qkv.padding([1]), backend="native", return_lse=True)
     assert torch.isnan(out).all() and torch.isnan(lse).all()
     lost = []
     for key in range(k.shape[2]):  # the lane where NaN survived the max depends on the position

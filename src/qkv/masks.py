@@ -437,7 +437,8 @@ class _DenseArray:
         self._fitted = (None, None)  # (Geometry, 4-D view), replaced as a whole
 
     def check(self, geom):
-        self._fitted = (geom, inputs.fit_dense("mask", self.array, geom))
+        if self._fitted[0] != geom:  # checked again for the same call (its tiles): fitted already
+            self._fitted = (geom, inputs.fit_dense("mask", self.array, geom))
 
     def fitted(self, geom):
         """The array as (B|1, H|1, Lq|1, Lk|1) for these sizes."""

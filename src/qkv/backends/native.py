@@ -34,8 +34,9 @@ try:
     from .. import _native
 except ImportError as error:  # not built (no compiler) or not importable here
     _native, _ON_AMX = None, False
-    _import_error = (f"cannot load: {error}" if _extension_file_exists() else "not built: no C++17 compiler was "
-                     "found when qkv was installed (install it again with one; `pip install -v` shows the build)")
+    _import_error = (f"built but cannot be loaded here ({error})" if _extension_file_exists() else
+                     "not built: no C++17 compiler was found when qkv was installed, or QKV_NATIVE=OFF (install "
+                     "it again with one; `pip install -v` shows the build)")
 else:
     _import_error = None
     _ON_AMX = _native.isa() == "amx"  # chosen once, when the kernel loads
