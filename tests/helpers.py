@@ -17,7 +17,7 @@ try:
 except ImportError:  # pragma: no cover - the dev extra installs torch
     torch = None
 
-from qkv.backends.base import ATOL  # noqa: E402 (the tolerance rule's absolute terms: one place)
+from qkv.backends.base import ATOL, within_rule  # noqa: E402 (the tolerance rule: one place)
 
 #: Backends under test: every registered CPU one that can run here, except the oracle itself
 #: (GPU backends have their own tests).
@@ -81,8 +81,8 @@ def max_err(got, want) -> float:
 
 def assert_within_rule(got, oracle, reference_in_dtype, dtype: str, what: str = "output"):
     err, ref_err = max_err(got, oracle), max_err(reference_in_dtype, oracle)
-    bound = 2 * ref_err + ATOL[dtype]
-    assert err <= bound, f"{what}: error {err:.3e} > 2 * {ref_err:.3e} + {ATOL[dtype]:.0e} ({dtype})"
+    assert within_rule(err, ref_err, dtype), \
+        f"{what}: error {err:.3e} > 2 * {ref_err:.3e} + {ATOL[dtype]:.0e} ({dtype})"
 
 
 def check_backend(backend: str, arrays, arrays64, dtype: str, **kwargs):
