@@ -182,9 +182,19 @@ inline void micro(int K, const float* A, int64_t ars, int64_t acs, const float* 
   }
 }
 
+// The block of C kept in registers: MR rows x NV vectors, plus NV vectors of B and one
+// broadcast of A, must fit the vector registers, or the accumulators spill to memory on
+// every k. 32 registers (AVX-512): 6 x 4; 16 (AVX2): 6 x 2, 15 registers.
+constexpr int MAX_NV = Vec::REGISTERS >= 32 ? 4 : 2;
+template <int NV>
+constexpr int block_rows() {
+  if constexpr (Vec::REGISTERS >= 32) return NV >= 4 ? 6 : 8;
+  return NV >= 2 ? 6 : 8;
+}
+
 template <int NV, bool ADD, bool MAX>
 inline void gemm_columns(int M, int K, Operand A, const float* B, int ldb, float* C, int ldc, float* colmax) {
-  constexpr int MR = NV >= 4 ? 6 : 8;
+  constexpr int MR = block_rows<NV>();
   int i = 0;
   for (; i + MR <= M; i += MR)
     micro<MR, NV, ADD, MAX>(K, A.p + i * A.rs, A.rs, A.cs, B, ldb, C + int64_t(i) * ldc, ldc, colmax);
@@ -207,7 +217,7 @@ inline void gemm_into(int M, int N, int K, Operand A, const float* B, int ldb, f
                       float* colmax = nullptr) {
   for (int j = 0; j < N;) {
     int vectors = (N - j) / W;
-    int nv = vectors >= 4 ? 4 : vectors;
+    int nv = vectors >= MAX_NV ? MAX_NV : vectors;
     float* mx = MAX ? colmax + j : nullptr;
     switch (nv) {
       case 4: gemm_columns<4, ADD, MAX>(M, K, A, B + j, ldb, C + j, ldc, mx); break;

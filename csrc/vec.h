@@ -43,6 +43,7 @@ inline V exp2_fraction_degree5(V f) {
 #if defined(QKV_AVX512)
 struct Vec {
   static constexpr int W = 16;
+  static constexpr int REGISTERS = 32;
   __m512 v;
   static Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
   static Vec load(const uint16_t* p) {  // bfloat16: each the high half of a float32
@@ -102,6 +103,7 @@ struct Vec {
 #elif defined(QKV_AVX2)
 struct Vec {
   static constexpr int W = 8;
+  static constexpr int REGISTERS = 16;
   __m256 v;
   static Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
   static Vec load(const uint16_t* p) {  // bfloat16: each the high half of a float32
@@ -160,6 +162,7 @@ struct Vec {
 #else
 struct Vec {  // portable: plain loops the compiler may vectorise for the baseline ISA
   static constexpr int W = 8;
+  static constexpr int REGISTERS = 8;  // a Vec is two of SSE2's 16 registers
   float v[8];
   static Vec load(const float* p) { Vec r; std::memcpy(r.v, p, sizeof r.v); return r; }
   static Vec load(const uint16_t* p) {  // bfloat16: each the high half of a float32
