@@ -150,8 +150,8 @@ struct Vec {
   static Vec exp(Vec x) {
     const __m256 t = _mm256_mul_ps(x.v, _mm256_set1_ps(LOG2E));
     __m256 tiny = _mm256_cmp_ps(t, _mm256_set1_ps(-126.f), _CMP_LT_OQ);  // also -inf
-    __m256 tc = _mm256_max_ps(t, _mm256_set1_ps(-126.f));  // keeps 2^n in range; NaN passes through
-    tc = _mm256_blendv_ps(tc, t, _mm256_cmp_ps(t, t, _CMP_UNORD_Q));
+    // keeps 2^n in range; NaN passes through (VMAXPS returns its second operand when either is NaN)
+    __m256 tc = _mm256_max_ps(_mm256_set1_ps(-126.f), t);
     __m256 n = _mm256_round_ps(tc, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     __m256 p = exp2_fraction(Vec{_mm256_sub_ps(tc, n)}).v;
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
