@@ -234,6 +234,32 @@ def test_more_batch_rows_than_the_launch_grid_holds_are_refused():
         qkv.attention(q, q, q, backend="triton")
 
 
+def test_a_rung_that_spills_registers_is_left_for_the_next(monkeypatch):
+    """A launch whose kernel spills keeps its result; later calls take the next rung, and the last
+    rung stays even if it spills."""
+    from types import SimpleNamespace
+
+    from qkv.backends import triton as backend
+
+    monkeypatch.setattr(backend, "_ladder", lambda kernel, head_dim, dtype: ["large", "medium", "small"])
+    monkeypatch.setattr(backend, "_chosen", {})
+    spills = {"large": 1798, "medium": 0, "small": 5}
+    launched = []
+
+    def run(blocks):
+        launched.append(blocks)
+        return SimpleNamespace(n_spills=spills[blocks])
+
+    for _ in range(3):
+        backend._launch("forward", ("key",), 128, "float32", run)
+    assert launched == ["large", "medium", "medium"]
+    launched.clear()
+    spills["medium"] = 3  # a second spilling rung moves on too, but never past the last
+    for _ in range(3):
+        backend._launch("dq", ("key",), 128, "float32", run)
+    assert launched == ["large", "medium", "small"]
+
+
 def test_float64_is_refused(rng):
     q, k, v = qkv_of(rng, "float32")
     with pytest.raises(qkv.BackendError, match="float64"):

@@ -202,20 +202,25 @@ def _ladder(kernel: str, head_dim: int, dtype: str) -> list[Blocks]:
 
 
 def _launch(kernel: str, key: tuple, head_dim: int, dtype: str, run):
-    """run(blocks) on the first rung of the ladder that fits this GPU; the rung is remembered."""
+    """run(blocks) on the first rung of the ladder that fits this GPU; the rung is remembered.
+
+    run returns the compiled kernel it launched. A rung whose kernel spills registers does not
+    fit either: its result stands, and later calls take the next rung (float32 at head dim 128
+    spilled 1798 registers on an H100 and ran 50 times as slow as torch's SDPA)."""
     from triton.runtime.errors import OutOfResources
 
     ladder = _ladder(kernel, head_dim, dtype)
     start = _chosen.get((kernel, key), 0)
     for index in range(start, len(ladder)):
         try:
-            result = run(ladder[index])
+            compiled = run(ladder[index])
         except OutOfResources:
             if index == len(ladder) - 1:
                 raise
             continue
-        _chosen[(kernel, key)] = index
-        return result
+        spills = getattr(compiled, "n_spills", 0) or 0
+        _chosen[(kernel, key)] = index + 1 if spills and index + 1 < len(ladder) else index
+        return
 
 
 # ---- calls --------------------------------------------------------------------------------
@@ -321,7 +326,7 @@ def _forward(call: _Call, q, k, v):
     lse = torch.empty(inp.B, inp.Hq, inp.Lq, dtype=torch.float32, device=q.device)
 
     def run(blocks):
-        kernels.attention_forward[(cdiv(inp.Lq, blocks.m), inp.Hq, inp.B)](
+        return kernels.attention_forward[(cdiv(inp.Lq, blocks.m), inp.Hq, inp.B)](
             q, k, v, out, lse, args.lo, args.hi, args.ids, args.kv_ids, args.slopes,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *args.strides,
             inp.Hq, inp.Lq, inp.Lk, inp.scale, args.softcap, args.causal_shift, **args.shapes(inp),
@@ -348,7 +353,7 @@ def _backward(call: _Call, q, k, v, out, lse, dout, dlse):
             first = end = args.dummy
         else:
             first, end = map(args.to_device, query_block_ranges(plan.lo, plan.hi, inp.Lq, inp.Lk, blocks.m, blocks.n))
-        kernels.attention_backward_dkdv[(cdiv(inp.Lk, blocks.n), inp.Hkv, inp.B)](
+        return kernels.attention_backward_dkdv[(cdiv(inp.Lk, blocks.n), inp.Hkv, inp.B)](
             q, k, v, dout, lse, delta, dk, dv, args.lo, args.hi, args.ids, args.kv_ids, args.slopes, first, end,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
             *args.strides, first.stride(0) if first.dim() == 2 else 0,
@@ -356,7 +361,7 @@ def _backward(call: _Call, q, k, v, out, lse, dout, dlse):
             BLOCK_M=blocks.m, BLOCK_N=blocks.n, num_warps=blocks.warps, num_stages=blocks.stages)
 
     def run_dq(blocks):
-        kernels.attention_backward_dq[(cdiv(inp.Lq, blocks.m), inp.Hq, inp.B)](
+        return kernels.attention_backward_dq[(cdiv(inp.Lq, blocks.m), inp.Hq, inp.B)](
             q, k, v, dout, lse, delta, dq, args.lo, args.hi, args.ids, args.kv_ids, args.slopes,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(), *args.strides,
             inp.Hq, inp.Lq, inp.Lk, inp.scale, args.softcap, args.causal_shift, **args.shapes(inp),
