@@ -205,8 +205,9 @@ def _launch(kernel: str, key: tuple, head_dim: int, dtype: str, run):
     """run(blocks) on the first rung of the ladder that fits this GPU; the rung is remembered.
 
     run returns the compiled kernel it launched. A rung whose kernel spills registers does not
-    fit either: its result stands, and later calls take the next rung (float32 at head dim 128
-    spilled 1798 registers on an H100 and ran 50 times as slow as torch's SDPA)."""
+    fit either, unless it is the last: the call runs again on the next rung, which overwrites
+    every output, so every call gives the result of the rung that stays (float32 at head dim
+    128 spilled 1798 registers on an H100 and ran 50 times as slow as torch's SDPA)."""
     from triton.runtime.errors import OutOfResources
 
     ladder = _ladder(kernel, head_dim, dtype)
@@ -218,8 +219,9 @@ def _launch(kernel: str, key: tuple, head_dim: int, dtype: str, run):
             if index == len(ladder) - 1:
                 raise
             continue
-        spills = getattr(compiled, "n_spills", 0) or 0
-        _chosen[(kernel, key)] = index + 1 if spills and index + 1 < len(ladder) else index
+        if getattr(compiled, "n_spills", 0) and index < len(ladder) - 1:
+            continue
+        _chosen[(kernel, key)] = index
         return
 
 
