@@ -174,7 +174,8 @@ class Blocks:
     stages: int = 2
 
 
-#: Largest first; a launch that runs out of shared memory or registers moves down the ladder.
+#: Largest first; a launch that runs out of shared memory or registers, or spills registers,
+#: moves down the ladder.
 #: The dQ kernel stays at 2 stages: with 3 at head dim 64, Triton 3.6 built code that stopped
 #: with "misaligned address" on an H100 once more than one wave of programs ran.
 LADDERS = {
@@ -213,13 +214,14 @@ def _launch(kernel: str, key: tuple, head_dim: int, dtype: str, run):
     ladder = _ladder(kernel, head_dim, dtype)
     start = _chosen.get((kernel, key), 0)
     for index in range(start, len(ladder)):
+        last = index == len(ladder) - 1
         try:
             compiled = run(ladder[index])
         except OutOfResources:
-            if index == len(ladder) - 1:
+            if last:
                 raise
             continue
-        if getattr(compiled, "n_spills", 0) and index < len(ladder) - 1:
+        if getattr(compiled, "n_spills", 0) and not last:
             continue
         _chosen[(kernel, key)] = index
         return
