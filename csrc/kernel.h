@@ -809,8 +809,6 @@ inline void scale_tile(float* ST, int cols, int np, float scale) {
 // 15185-16571, at 32 1102-1127 and 9138-9175 against 1627-1835 and 13683-15300, at 64
 // 2242-2246 and 17420-17704 against 1757-1911 and 15029-16411).
 constexpr int FEW_QUERIES = 8, FEW_QUERIES_BF16 = 32;
-// K and V rows are prefetched this many keys ahead (16 and 32 measured no different).
-constexpr int ROWS_AHEAD = 8;
 // Elements of a row of T in one 64-byte cache line: prefetches go a line at a time.
 template <class T>
 constexpr int PER_LINE = 64 / int(sizeof(T));
@@ -849,30 +847,40 @@ inline void from_pair_order(float* row, int n) {
 template <int N, int KEYS, class T>
 inline void scores_of_keys(const Problem& p, const Tile& tj, int c, const float* Q, float* S, int ld) {
   const T* K = static_cast<const T*>(p.k.data) + tj.b * p.k.s0 + int64_t(tj.kv) * p.k.s1;
-  const int64_t ahead = ROWS_AHEAD * p.k.s2;  // rows are streamed once: fetch them ahead
-  constexpr int lines = 2 * W > PER_LINE<T> ? 2 : 1;  // cache lines per 2W elements
   const T* key[KEYS];
   for (int u = 0; u < KEYS; ++u) key[u] = K + int64_t(tj.k0 + c + u) * p.k.s2;
   Vec acc[KEYS][N];
   for (int u = 0; u < KEYS; ++u)
     for (int rr = 0; rr < N; ++rr) acc[u][rr] = Vec::zero();
-  int d = 0;
-  for (; d + 2 * W <= p.D; d += 2 * W)
-    for (int u = 0; u < KEYS; ++u) {
-      for (int l = 0; l < lines; ++l) __builtin_prefetch(key[u] + ahead + d + l * PER_LINE<T>);
-      Vec k0, k1;
-      load_two(key[u] + d, k0, k1);
-      for (int rr = 0; rr < N; ++rr) {
-        acc[u][rr] = Vec::fma(k0, Vec::load(Q + rr * p.D + d), acc[u][rr]);
-        acc[u][rr] = Vec::fma(k1, Vec::load(Q + rr * p.D + d + W), acc[u][rr]);
+  if constexpr (sizeof(T) == 4) {
+    // float32: a vector of each query row is loaded once and met by every key, so a step
+    // takes N + KEYS loads, not N loads per key (decoding as in scores_by_rows, two threads:
+    // 21.7-23.0 GB/s with a query load per product, 26.7-27.3 with this)
+    for (int d = 0; d < p.D; d += W) {
+      Vec query[N];
+      for (int rr = 0; rr < N; ++rr) query[rr] = Vec::load(Q + rr * p.D + d);
+      for (int u = 0; u < KEYS; ++u) {
+        const Vec kd = Vec::load(key[u] + d);
+        for (int rr = 0; rr < N; ++rr) acc[u][rr] = Vec::fma(kd, query[rr], acc[u][rr]);
       }
     }
-  if (d < p.D)  // a last W
-    for (int u = 0; u < KEYS; ++u) {
-      __builtin_prefetch(key[u] + ahead + d);
-      Vec kd = Vec::load(key[u] + d);
-      for (int rr = 0; rr < N; ++rr) acc[u][rr] = Vec::fma(kd, Vec::load(Q + rr * p.D + d), acc[u][rr]);
-    }
+  } else {
+    int d = 0;
+    for (; d + 2 * W <= p.D; d += 2 * W)
+      for (int u = 0; u < KEYS; ++u) {
+        Vec k0, k1;
+        load_two(key[u] + d, k0, k1);
+        for (int rr = 0; rr < N; ++rr) {
+          acc[u][rr] = Vec::fma(k0, Vec::load(Q + rr * p.D + d), acc[u][rr]);
+          acc[u][rr] = Vec::fma(k1, Vec::load(Q + rr * p.D + d + W), acc[u][rr]);
+        }
+      }
+    if (d < p.D)  // a last W
+      for (int u = 0; u < KEYS; ++u) {
+        Vec kd = Vec::load(key[u] + d);
+        for (int rr = 0; rr < N; ++rr) acc[u][rr] = Vec::fma(kd, Vec::load(Q + rr * p.D + d), acc[u][rr]);
+      }
+  }
   for (int rr = 0; rr < N; ++rr) {
     float* s = S + rr * ld + c;
     if constexpr (KEYS == 4) Vec::sum4(acc[0][rr], acc[1][rr], acc[2][rr], acc[3][rr], s);
@@ -893,7 +901,10 @@ constexpr int keys_at_once() {
 // one at a time. With `ahead`, each key's K and V rows are requested whole just before it is
 // scored: the key's lines then arrive together rather than one per step, and the value row is
 // in cache for the values pass (decoding 32768 float32 keys, 4 queries per KV head, on AVX2:
-// 8.8 GB/s with one thread, 10.7-11.3 with it; 15.4-16.5 with two, 17.4-19.9 with it).
+// 8.8 GB/s with one thread, 10.7-11.3 with it; 15.4-16.5 with two, 17.4-19.9 with it). These
+// are the path's only prefetches: requesting each line again some keys ahead as the rows were
+// read, and the value rows again in the values pass, cost more than they saved (the same
+// decoding, alternating builds, two threads: 19.4-21.9 GB/s with them, 22.8-23.5 without).
 template <int N, class T>
 inline void scores_by_rows(const Problem& p, const Tile& tj, const float* Q, float* S, int ld, bool ahead) {
   constexpr int KEYS = keys_at_once<N>();
@@ -973,8 +984,6 @@ inline void values_block(const Problem& p, const Tile& tj, int r0, int d0, const
     for (int v = 0; v < NV; ++v) acc[rr][v] = Vec::load(O + int64_t(r0 + rr) * p.Dv + d0 + v * W);
   for (int c = 0; c < tj.cols; ++c) {
     const T* value = V + int64_t(tj.k0 + c) * p.v.s2 + d0;
-    if (r0 == 0 && d0 == 0)  // the first pass over the tile fetches whole rows ahead, a line at a time
-      for (int d = 0; d < p.Dv; d += PER_LINE<T>) __builtin_prefetch(value + ROWS_AHEAD * p.v.s2 + d);
     Vec vv[NV];
     for (int v = 0; v + 1 < NV; v += 2) load_two(value + v * W, vv[v], vv[v + 1]);
     if (NV % 2) vv[NV - 1] = Vec::load(value + (NV - 1) * W);
