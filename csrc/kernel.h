@@ -854,7 +854,7 @@ inline void scores_of_keys(const Problem& p, const Tile& tj, int c, const float*
     for (int rr = 0; rr < N; ++rr) acc[u][rr] = Vec::zero();
   if constexpr (sizeof(T) == 4) {
     // float32: a vector of each query row is loaded once and met by every key, so a step
-    // takes N + KEYS loads, not N loads per key (decoding as in scores_by_rows, two threads:
+    // takes N + KEYS loads, not N loads per key (decoding as measured in scores_by_rows:
     // 21.7-23.0 GB/s with a query load per product, 26.7-27.3 with this)
     for (int d = 0; d < p.D; d += W) {
       Vec query[N];
@@ -904,7 +904,8 @@ constexpr int keys_at_once() {
 // 8.8 GB/s with one thread, 10.7-11.3 with it; 15.4-16.5 with two, 17.4-19.9 with it). These
 // are the path's only prefetches: requesting each line again some keys ahead as the rows were
 // read, and the value rows again in the values pass, cost more than they saved (the same
-// decoding, alternating builds, two threads: 19.4-21.9 GB/s with them, 22.8-23.5 without).
+// decoding by these functions alone, in a C++ loop, two threads: 21.3-22.8 GB/s with them,
+// 24.1-27.9 without).
 template <int N, class T>
 inline void scores_by_rows(const Problem& p, const Tile& tj, const float* Q, float* S, int ld, bool ahead) {
   constexpr int KEYS = keys_at_once<N>();
