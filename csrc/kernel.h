@@ -855,7 +855,7 @@ inline void scores_of_keys(const Problem& p, const Tile& tj, int c, const float*
   if constexpr (sizeof(T) == 4) {
     // float32: a vector of each query row is loaded once and met by every key, so a step
     // takes N + KEYS loads, not N loads per key (decoding as measured in scores_by_rows:
-    // 21.7-23.0 GB/s with a query load per product, 26.7-27.3 with this)
+    // 21.7-22.1 GB/s with a query load per product, 26.7-27.3 with this)
     for (int d = 0; d < p.D; d += W) {
       Vec query[N];
       for (int rr = 0; rr < N; ++rr) query[rr] = Vec::load(Q + rr * p.D + d);
