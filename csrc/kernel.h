@@ -853,15 +853,19 @@ inline void scores_of_keys(const Problem& p, const Tile& tj, int c, const float*
   for (int u = 0; u < KEYS; ++u)
     for (int rr = 0; rr < N; ++rr) acc[u][rr] = Vec::zero();
   if constexpr (sizeof(T) == 4) {
-    // float32: a vector of each query row is loaded once and met by every key, so a step
-    // takes N + KEYS loads, not N loads per key (decoding as measured in scores_by_rows:
-    // 21.7-22.1 GB/s with a query load per product, 26.7-27.3 with this)
+    // float32, a vector at a time. Where they fit the registers beside the accumulators, a
+    // vector of each query row is loaded once and met by every key, so a step takes N + KEYS
+    // loads, not N per key (decoding as measured in scores_by_rows: 21.7-22.1 GB/s with a
+    // query load per product, 26.7-27.3 with this); else each product loads its own.
+    constexpr bool query_in_registers = N * (KEYS + 1) + 1 <= Vec::REGISTERS;
     for (int d = 0; d < p.D; d += W) {
-      Vec query[N];
-      for (int rr = 0; rr < N; ++rr) query[rr] = Vec::load(Q + rr * p.D + d);
+      Vec query[query_in_registers ? N : 1];
+      if constexpr (query_in_registers)
+        for (int rr = 0; rr < N; ++rr) query[rr] = Vec::load(Q + rr * p.D + d);
       for (int u = 0; u < KEYS; ++u) {
         const Vec kd = Vec::load(key[u] + d);
-        for (int rr = 0; rr < N; ++rr) acc[u][rr] = Vec::fma(kd, query[rr], acc[u][rr]);
+        for (int rr = 0; rr < N; ++rr)
+          acc[u][rr] = Vec::fma(kd, query_in_registers ? query[rr] : Vec::load(Q + rr * p.D + d), acc[u][rr]);
       }
     }
   } else {
