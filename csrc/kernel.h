@@ -852,24 +852,8 @@ inline void scores_of_keys(const Problem& p, const Tile& tj, int c, const float*
   Vec acc[KEYS][N];
   for (int u = 0; u < KEYS; ++u)
     for (int rr = 0; rr < N; ++rr) acc[u][rr] = Vec::zero();
-  if constexpr (sizeof(T) == 4) {
-    // float32, a vector at a time. Where they fit the registers beside the accumulators, a
-    // vector of each query row is loaded once and met by every key, so a step takes N + KEYS
-    // loads, not N per key (decoding as measured in scores_by_rows: 21.7-22.1 GB/s with a
-    // query load per product, 26.7-27.3 with this); else each product loads its own.
-    constexpr bool query_in_registers = N * (KEYS + 1) + 1 <= Vec::REGISTERS;
-    for (int d = 0; d < p.D; d += W) {
-      Vec query[query_in_registers ? N : 1];
-      if constexpr (query_in_registers)
-        for (int rr = 0; rr < N; ++rr) query[rr] = Vec::load(Q + rr * p.D + d);
-      for (int u = 0; u < KEYS; ++u) {
-        const Vec kd = Vec::load(key[u] + d);
-        for (int rr = 0; rr < N; ++rr)
-          acc[u][rr] = Vec::fma(kd, query_in_registers ? query[rr] : Vec::load(Q + rr * p.D + d), acc[u][rr]);
-      }
-    }
-  } else {
-    int d = 0;
+  int d = 0;
+  if constexpr (sizeof(T) == 2)  // bfloat16: 2W elements a step, each key's as one load in pair order
     for (; d + 2 * W <= p.D; d += 2 * W)
       for (int u = 0; u < KEYS; ++u) {
         Vec k0, k1;
@@ -879,11 +863,21 @@ inline void scores_of_keys(const Problem& p, const Tile& tj, int c, const float*
           acc[u][rr] = Vec::fma(k1, Vec::load(Q + rr * p.D + d + W), acc[u][rr]);
         }
       }
-    if (d < p.D)  // a last W
-      for (int u = 0; u < KEYS; ++u) {
-        Vec kd = Vec::load(key[u] + d);
-        for (int rr = 0; rr < N; ++rr) acc[u][rr] = Vec::fma(kd, Vec::load(Q + rr * p.D + d), acc[u][rr]);
-      }
+  // W elements a step: all of a float32 row, a last W of a bfloat16 one. Where they fit the
+  // registers beside the accumulators, a vector of each query row is loaded once and met by
+  // every key, so a step takes N + KEYS loads, not N per key (float32 decoding as measured in
+  // scores_by_rows: 21.7-22.1 GB/s with a query load per product, 26.7-27.3 with this); else
+  // each product loads its own.
+  constexpr bool query_in_registers = N * (KEYS + 1) + 1 <= Vec::REGISTERS;
+  for (; d < p.D; d += W) {
+    Vec query[query_in_registers ? N : 1];
+    if constexpr (query_in_registers)
+      for (int rr = 0; rr < N; ++rr) query[rr] = Vec::load(Q + rr * p.D + d);
+    for (int u = 0; u < KEYS; ++u) {
+      const Vec kd = Vec::load(key[u] + d);
+      for (int rr = 0; rr < N; ++rr)
+        acc[u][rr] = Vec::fma(kd, query_in_registers ? query[rr] : Vec::load(Q + rr * p.D + d), acc[u][rr]);
+    }
   }
   for (int rr = 0; rr < N; ++rr) {
     float* s = S + rr * ld + c;
@@ -892,8 +886,8 @@ inline void scores_of_keys(const Problem& p, const Tile& tj, int c, const float*
   }
 }
 
-// Keys scored at once for N query rows: their KEYS x N accumulators and a key's two vectors
-// must fit the registers. 32 registers: four keys for N <= 4; 16: four for N <= 3, two for
+// Keys scored at once for N query rows: their KEYS x N accumulators and a key's vectors
+// must fit the registers (scores_of_keys keeps the query vectors there too where they fit). 32 registers: four keys for N <= 4; 16: four for N <= 3, two for
 // N <= 6.
 template <int N>
 constexpr int keys_at_once() {
