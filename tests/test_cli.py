@@ -21,6 +21,7 @@ def test_check_passes(capsys):
     assert cli.main(["check"]) == 0
     out = capsys.readouterr().out
     assert "FAILED" not in out and "numpy      float32" in out and "native     bfloat16" in out
+    assert "torch      float16" in out and "numpy      float16" in out  # every dtype a backend has
 
 
 def _numpy_backend_off(monkeypatch, change):
@@ -30,16 +31,17 @@ def _numpy_backend_off(monkeypatch, change):
     monkeypatch.setattr(numpy_backend, "forward", lambda inp: change(*forward(inp)))
 
 
-@pytest.mark.parametrize("change", [
-    lambda out, lse: (out * (1 + 4e-6), lse),  # past the rule in float32 (2 * 5e-7 + 2e-6), under the old 1e-5
-    lambda out, lse: (out, lse + 1e-5),  # the output right, the lse wrong
-    lambda out, lse: (out.__setitem__((0, 0, 5), 0.0) or out, lse),  # one row zeroed
+@pytest.mark.parametrize("change,failing", [
+    # past the rule in float32 (2 * 5e-7 + 2e-6), under the old 1e-5, and within float16's
+    (lambda out, lse: (out * (1 + 4e-6), lse), ["float64", "float32"]),
+    (lambda out, lse: (out, lse + 1e-5), ["float64", "float32"]),  # the output right, the lse wrong
+    (lambda out, lse: (out.__setitem__((0, 0, 5), 0.0) or out, lse), ["float64", "float32", "float16"]),  # a row zeroed
 ])
-def test_check_fails_a_backend_the_rule_fails(monkeypatch, capsys, change):
+def test_check_fails_a_backend_the_rule_fails(monkeypatch, capsys, change, failing):
     _numpy_backend_off(monkeypatch, change)
     assert cli.main(["check"]) == 1
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[:2] for line in lines if "FAILED" in line] == [["numpy", "float64"], ["numpy", "float32"]]
+    assert [line.split()[:2] for line in lines if "FAILED" in line] == [["numpy", dtype] for dtype in failing]
 
 
 def test_check_reports_a_backend_that_raises_and_goes_on(monkeypatch, capsys):

@@ -226,6 +226,30 @@ def test_kv_cache_checks_its_arrays():
     cache = KVCache(np.zeros((1, 1, 4, 2), dtype=np.float32), np.zeros((1, 1, 4, 2), dtype=np.float32))
     with pytest.raises(TypeError, match="dtype float64 but the cache holds float32"):
         cache.stage(np.zeros((1, 1, 1, 2)), np.zeros((1, 1, 1, 2)))
+    new = lambda n: np.ones((1, 1, n, 2), dtype=np.float32)  # noqa: E731
+    with pytest.raises(ValueError, match=r"the same number of positions.*keys \(1, 1, 2, 2\), values \(1, 1, 1, 2\)"):
+        cache.stage(new(2), new(1))
+    with pytest.raises(ValueError, match=r"new keys must have shape \(batch, heads, n, depth\), got \(1, 2, 2\)"):
+        cache.stage(new(2)[0], new(2)[0])
+    for bad in (-3, 5, 1.0):
+        with pytest.raises(ValueError, match=rf"(n must be a non-negative integer, got {bad})|cannot commit 5"):
+            cache.commit(bad)
+    assert cache.length == 0 and (cache.values == 0).all()  # nothing was written or committed
+    cache.stage(new(3), new(3))
+    cache.commit(3)
+    with pytest.raises(ValueError, match="cannot commit 2 positions: 3 of max_len=4 are filled"):
+        cache.commit(2)
+
+
+def test_a_module_refuses_a_cache_of_the_other_array_kind():
+    torch = pytest.importorskip("torch")
+    import qkv.torch as qt
+
+    torch_mha, numpy_mha = qt.MultiHeadAttention(16, 4), qkv.MultiHeadAttention(16, 4, dtype=np.float32)
+    with pytest.raises(TypeError, match="cache holds numpy.ndarrays but this module computes on torch.Tensors"):
+        torch_mha(torch.zeros(1, 2, 16), cache=numpy_mha.init_cache(1, 4))
+    with pytest.raises(TypeError, match="cache holds torch.Tensors but this module computes on numpy.ndarrays"):
+        numpy_mha(np.zeros((1, 2, 16), dtype=np.float32), cache=torch_mha.init_cache(1, 4))
 
 
 def test_torch_decoding_under_no_grad_keeps_the_dtype_and_device():

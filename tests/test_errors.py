@@ -98,6 +98,13 @@ BAD = [
     pytest.param(call(k=K > 0), TypeError, r"\bk must have a floating dtype .*got bool", id="bool-dtype"),
     pytest.param(call(v=V.astype(np.complex64)), TypeError, r"\bv must have a floating dtype .*got complex64",
                  id="complex-dtype"),
+    pytest.param(call(k=K.astype(">f4")), TypeError, r"\bk has non-native byte order \(>f4\); convert it",
+                 id="byte-swapped"),
+    pytest.param(call(q=np.ma.masked_array(Q, Q > 1)), TypeError, r"\bq is a masked array: its mask would not be",
+                 id="masked-array"),
+    pytest.param(lambda: qkv.attention(np.asmatrix(Q[0, 0]), K[0, 0], V[0, 0]), TypeError,
+                 r"\bq is a numpy\.matrix.*np\.asarray\(q\)", id="numpy-matrix",
+                 marks=pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")),
     pytest.param(call(q=np.array([["a"]])), TypeError, r"\bq must have a floating dtype .*got <U1", id="str-array"),
     pytest.param(tcall(q=TQ.to(torch.int32)), TypeError, r"\bq must have a floating dtype .*got int32",
                  id="torch-int-dtype"),
@@ -338,6 +345,25 @@ def test_mask_errors_on_every_backend(make_mask, error, pattern, kind, backend):
     q, k, v = (Q, K, V) if kind == "numpy" else (TQ, TK, TV)
     with pytest.raises(error, match=pattern):
         qkv.attention(q, k, v, make_mask(), backend=backend)
+
+
+SCORE_FN_ERRORS = [
+    pytest.param(lambda s, b, h, i, j: i - j, TypeError,
+                 r"score_fn: the rule must return an array of floating scores, got dtype (torch\.)?int64", id="int"),
+    pytest.param(lambda s, b, h, i, j: s > 0, TypeError, r"score_fn: .*floating scores, got dtype (torch\.)?bool",
+                 id="bool"),
+    pytest.param(lambda s, b, h, i, j: 0.5, TypeError, r"score_fn: .*floating scores, got float", id="python-float"),
+    pytest.param(lambda s, b, h, i, j: s[..., :1, :2], ValueError,
+                 r"score_fn: the rule returned shape \(.*1, 2\), which does not broadcast to \(.*\)", id="shape"),
+]
+
+
+@pytest.mark.parametrize("kind, backend", BACKEND_RUNS, ids=lambda x: str(x))
+@pytest.mark.parametrize("rule, error, pattern", SCORE_FN_ERRORS)
+def test_score_fn_errors_on_every_backend(rule, error, pattern, kind, backend):
+    q, k, v = (Q, K, V) if kind == "numpy" else (TQ, TK, TV)
+    with pytest.raises(error, match=pattern):
+        qkv.attention(q, k, v, score_mod=qkv.score_fn(rule), backend=backend)
 
 
 @pytest.mark.parametrize("kind, backend", BACKEND_RUNS, ids=lambda x: str(x))

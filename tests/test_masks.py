@@ -33,6 +33,19 @@ def test_window(left, right, align):
     np.testing.assert_array_equal(qkv.window(left, right, align).materialize(Lq, Lk), want)
 
 
+@pytest.mark.parametrize("side", [2**63 - 1, 2**64, 10**30])
+@pytest.mark.parametrize("backend", ["numpy", "native", "torch"])
+def test_window_sides_past_int64_mean_no_limit(side, backend):
+    for Lq, Lk in [(3, 3), (5, 3)]:  # queries past the keys: bottom-right shifts them back
+        right_open, left_open = qkv.window(0, side), qkv.window(side, 0)
+        np.testing.assert_array_equal(right_open.materialize(Lq, Lk), qkv.window(0, None).materialize(Lq, Lk))
+        np.testing.assert_array_equal(left_open.materialize(Lq, Lk), qkv.causal().materialize(Lq, Lk))
+    shapes = (1, 2, 5, 8), (1, 2, 3, 8), (1, 2, 3, 8)
+    (q, k, v), _ = random_qkv(np.random.default_rng(0), *shapes, kind_of_backend(backend), "float32")
+    want = qkv.attention(q, k, v, qkv.window(None, 0), backend=backend)
+    np.testing.assert_array_equal(qkv.attention(q, k, v, qkv.window(side, 0), backend=backend), want)
+
+
 def test_a_mask_that_forbids_nothing_is_not_applied(rng):
     from qkv.masks import Geometry
     window_sides = (None, 0, 1, 3)
@@ -49,6 +62,17 @@ def test_a_mask_that_forbids_nothing_is_not_applied(rng):
     np.testing.assert_array_equal(qkv.attention(q, k, v, qkv.causal()), qkv.attention(q, k, v))  # a decoding step
     assert "causal(align='bottom_right') (allows every pair at these sizes: not applied)" in str(
         qkv.explain(q, k, v, qkv.causal()))
+
+
+def test_drawing_and_materializing_check_their_sizes():
+    with pytest.raises(ValueError, match="Lq must be a non-negative integer, got -1"):
+        qkv.causal().materialize(-1, 5)
+    with pytest.raises(ValueError, match="head must be a non-negative integer, got -1"):
+        qkv.causal().to_string(3, 5, head=-1)
+    with pytest.raises(ValueError, match=r"batch \(2\) must be less than batch_size \(2\)"):
+        qkv.causal().to_string(3, 5, batch=2, batch_size=2)
+    with pytest.raises(ValueError, match="Lk must be a non-negative integer, got 2.5"):
+        qkv.causal().blocks(4, 2.5, 2, 2)
 
 
 def test_padding():
@@ -190,6 +214,7 @@ def test_softcap_keeps_a_minus_inf_bias_masked(backend, rng):
     lambda: qkv.alibi(np.array([0.5, 0.25, 0.125, 0.0625])),
     lambda: qkv.softcap(2.0),
     lambda: qkv.score_fn(lambda s, b, h, i, j: s - abs(i - j) * 0.125),  # exact in any float dtype
+    lambda: qkv.score_fn(lambda s, b, h, i, j: -abs(i - j) * 0.125),  # of the positions only: (Lq, Lk), broadcast
     lambda: [qkv.alibi(np.array([0.5, 0.25, 0.125, 0.0625])), qkv.softcap(3.0)],
 ])
 def test_score_modifiers(backend, rng, mod):
@@ -201,6 +226,15 @@ def test_score_modifiers(backend, rng, mod):
             qkv.attention(*arrays, qkv.causal(), score_mod=mods, backend=backend)
         return
     check_backend(backend, arrays, arrays64, dtype, mask=qkv.causal(), score_mod=mods)
+
+
+@pytest.mark.parametrize("backend", ["torch", "native", "reference"])
+def test_a_rule_may_answer_in_numpy_for_torch_inputs(backend, rng):
+    torch = pytest.importorskip("torch")
+    q, k, v = (torch.from_numpy(rng.standard_normal((1, 2, n, 8)).astype(np.float32)) for n in (9, 9, 9))
+    as_numpy = qkv.mask_fn(lambda b, h, i, j: np.asarray(i >= j))  # the indices' kind varies: np.asarray takes both
+    np.testing.assert_array_equal(qkv.attention(q, k, v, as_numpy, backend=backend),
+                                  qkv.attention(q, k, v, qkv.causal(align="top_left"), backend=backend))
 
 
 def test_modifier_definitions(rng):

@@ -188,6 +188,20 @@ def test_read_only_arrays(rng):
     assert_within_rule(got, want64, want, "float32")
 
 
+def test_strides_that_are_not_whole_elements_go_elsewhere(rng):
+    """A float field of a structured array (6-byte strides) is refused by name, and the
+    automatic choice runs it on a backend that reads it."""
+    fields = np.zeros((1, 2, 9, 16), dtype=[("tag", np.int16), ("x", np.float32)])
+    fields["x"] = rng.standard_normal(fields.shape)
+    k = fields["x"]  # (1, 2, 9, 16) float32 view, last stride 6 bytes
+    q = rng.standard_normal((1, 2, 5, 16)).astype(np.float32)
+    with pytest.raises(qkv.BackendError, match="strides that are not whole elements"):
+        qkv.attention(q, k, k, backend="native")
+    assert qkv.explain(q, k, k).backend != "native"
+    want = qkv.attention(*(x.astype(np.float64) for x in (q, k, k)), backend="reference")
+    assert_within_rule(qkv.attention(q, k, k), want, qkv.attention(q, k, k, backend="reference"), "float32")
+
+
 SCRIPT = """
 import numpy as np, torch, qkv
 from qkv.backends import native

@@ -102,7 +102,7 @@ def test_every_mask_kind_matches_the_explicit_weights(mask_name, tiles):
     rng = np.random.default_rng(7)
     q, k = qk64(rng)  # 4 query heads share 2 kv heads
     mask = dict(mask_cases(rng))[mask_name]
-    got = attention_stats(q, k, mask, topk=5)
+    got = attention_stats(q, k, mask, 5)  # topk is the fourth positional argument (DESIGN.md's signature)
     w = qkv.attention_weights(q, k, mask)  # (B, HQ, LQ, LK)
     check_against_weights(got, w, topk=5)
     assert got.entropy.shape == got.max_weight.shape == got.lse.shape == (B, HQ, LQ)

@@ -45,7 +45,7 @@ def cmd_check(args) -> int:
     for name, backend in dispatch.REGISTRY.items():
         if name == "reference" or backend.missing():
             continue
-        for dtype in [d for d in ("float64", "float32", "bfloat16") if d in backend.caps.dtypes]:
+        for dtype in [d for d in ("float64", "float32", "bfloat16", "float16") if d in backend.caps.dtypes]:
             try:
                 report, ok = _check_one(name, backend, dtype, arrays64, references)
             except Exception as error:  # a backend that fails is reported, and the others still run

@@ -114,7 +114,8 @@ def check_size(name, arr, expected, what):
 
 
 def check_rule_result(name, result, *indices):
-    """A rule's answer at broadcast index arrays: boolean, and of a shape that broadcasts to theirs."""
+    """A rule's answer at broadcast index arrays: boolean, of a shape that broadcasts to theirs
+    (returned as an array of their kind)."""
     if _arrays.kind_of(result) is None or str(result.dtype) not in ("bool", "torch.bool"):
         got = type(result).__name__ if _arrays.kind_of(result) is None else f"dtype {result.dtype}"
         raise TypeError(f"{name}: the rule must return a boolean array, got {got}")
@@ -126,6 +127,26 @@ def check_rule_result(name, result, *indices):
     if not fits:
         raise ValueError(f"{name}: the rule returned shape {tuple(result.shape)}, which does not broadcast to "
                          f"{expected}, the shape of its (b, h, qi, ki) arguments broadcast together")
+    return _arrays.like(result, indices[0])  # a NumPy answer for torch indices, or the other way round
+
+
+def check_score_result(name, result, scores):
+    """A score rule's answer for `scores`: a floating array that broadcasts to their shape,
+    returned as an array of their kind, dtype and shape."""
+    kind = _arrays.kind_of(result)
+    if kind is None or dtype_name(result) not in FLOAT_DTYPES:
+        got = type(result).__name__ if kind is None else f"dtype {result.dtype}"
+        raise TypeError(f"{name}: the rule must return an array of floating scores, got {got}")
+    try:
+        fits = np.broadcast_shapes(tuple(result.shape), tuple(scores.shape)) == tuple(scores.shape)
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(f"{name}: the rule returned shape {tuple(result.shape)}, which does not broadcast to "
+                         f"{tuple(scores.shape)}, the shape of the scores it was given")
+    result = _arrays.cast_like(_arrays.like(result, scores), scores)
+    if tuple(result.shape) != tuple(scores.shape):  # a writable array of the scores' shape: backends update it
+        result = result + _arrays.namespace(scores).zeros_like(scores)
     return result
 
 
@@ -229,12 +250,28 @@ def _check_tensor(name, x, kind):
         raise TypeError(f"{name} must be a numpy.ndarray or torch.Tensor, got {type(x).__name__}")
     if kind is not None and got != kind:
         raise TypeError(f"q, k and v must all be NumPy arrays or all torch tensors; q is {kind}, {name} is {got}")
+    if got == "numpy":
+        _check_plain_numpy(name, x)
     dtype = dtype_name(x)
     if dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must have a floating dtype ({', '.join(FLOAT_DTYPES)}), got {dtype}")
     if x.ndim < 2:
         raise ValueError(f"{name} must have at least 2 dims (..., L, D), got shape {tuple(x.shape)}")
     return got, dtype
+
+
+def _check_plain_numpy(name, x):
+    """NumPy subclasses whose arithmetic differs (a matrix stays 2-D, a masked array's mask
+    would be ignored by some backends) and byte orders the kernels do not read."""
+    if isinstance(x, np.matrix):
+        raise TypeError(f"{name} is a numpy.matrix, which cannot take attention's (..., L, D) shapes; "
+                        f"pass np.asarray({name})")
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError(f"{name} is a masked array: its mask would not be applied. Pass the data "
+                        f"({name}.data) and express the masked entries as a qkv mask")
+    if not x.dtype.isnative:
+        raise TypeError(f"{name} has non-native byte order ({x.dtype.str}); convert it with "
+                        f"{name}.astype({name}.dtype.newbyteorder('='))")
 
 
 def check_qkv(q, k, v, names=("q", "k", "v"), heads=True):

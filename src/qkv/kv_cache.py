@@ -63,8 +63,8 @@ class KVCache:
 
         Returns views (B, Hkv, length + n, depth) of the keys and values to attend over.
         """
-        n = k.shape[2]
         self._check_new(k, v)
+        n = k.shape[2]
         if self.length + n > self.max_len:
             raise ValueError(f"the KV cache is full: it holds max_len={self.max_len} positions, "
                              f"{self.length} are filled and this call adds {n}; "
@@ -76,6 +76,9 @@ class KVCache:
 
     def commit(self, n: int) -> None:
         """Make the n staged positions part of the cache."""
+        n = inputs.check_nonnegative_int("n", n)
+        if self.length + n > self.max_len:
+            raise ValueError(f"cannot commit {n} positions: {self.length} of max_len={self.max_len} are filled")
         self.length += n
 
     def reset(self) -> None:
@@ -84,20 +87,25 @@ class KVCache:
 
     def _check_new(self, k, v):
         keys = self.keys
-        if (type(k) is type(v) is type(keys) and k.dtype == v.dtype == keys.dtype
-                and k.shape[:2] == v.shape[:2] == keys.shape[:2] and k.shape[3] == v.shape[3] == keys.shape[3]):
+        if (type(k) is type(v) is type(keys) and k.dtype == v.dtype == keys.dtype and k.shape == v.shape
+                and k.ndim == 4 and k.shape[:2] == keys.shape[:2] and k.shape[3] == keys.shape[3]):
             return  # a module's own call, in one test (each decoding step makes it)
         want = (self.batch_size, self.keys.shape[1], self.keys.shape[3])
         for name, x in (("keys", k), ("values", v)):
             if _arrays.kind_of(x) != _arrays.kind_of(self.keys):
                 raise TypeError(f"new {name} are {_arrays.kind_of(x)} but the cache holds "
                                 f"{_arrays.kind_of(self.keys)} arrays")
+            if x.ndim != 4:
+                raise ValueError(f"new {name} must have shape (batch, heads, n, depth), got {tuple(x.shape)}")
             got = (x.shape[0], x.shape[1], x.shape[3])
             if got != want:
                 raise ValueError(f"new {name} have (batch, heads, depth) = {got} but the cache was made for {want}; "
                                  "create the cache with module.init_cache(batch_size, max_len)")
             if x.dtype != self.keys.dtype:
                 raise TypeError(f"new {name} have dtype {x.dtype} but the cache holds {self.keys.dtype}")
+        if k.shape[2] != v.shape[2]:
+            raise ValueError(f"new keys and values must add the same number of positions; got keys "
+                             f"{tuple(k.shape)}, values {tuple(v.shape)}")
 
     def __repr__(self):
         B, H, T, depth = self.keys.shape

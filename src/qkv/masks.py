@@ -66,6 +66,12 @@ def tile_indices(like, b, h, q0: int, q1: int, k0: int, k1: int):
     )
 
 
+def _check_sizes(Lq, Lk, heads):
+    inputs.check_nonnegative_int("Lq", Lq)
+    inputs.check_nonnegative_int("Lk", Lk)
+    inputs.check_nonnegative_int("heads", heads)
+
+
 class Mask:
     """Base class of every mask. Subclasses implement ``allowed``."""
 
@@ -115,6 +121,7 @@ class Mask:
         """
         inputs.check_positive_int("block_q", block_q)
         inputs.check_positive_int("block_k", block_k)
+        _check_sizes(Lq, Lk, heads)
         batch_shape = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
         geom = Geometry(math.prod(batch_shape), heads, Lq, Lk, batch_shape)
         self.check(geom)
@@ -130,6 +137,7 @@ class Mask:
         The batch and heads dims are present only when given (batch may be an int or a
         tuple); ``materialize(Lq, Lk)`` gives (Lq, Lk) for batch row 0, head 0.
         """
+        _check_sizes(Lq, Lk, 1 if heads is None else heads)
         batch_shape = () if batch is None else (int(batch),) if isinstance(batch, numbers.Integral) else tuple(batch)
         n_batch, n_heads = math.prod(batch_shape), 1 if heads is None else heads
         geom = Geometry(n_batch, n_heads, Lq, Lk, batch_shape or (1,))
@@ -145,7 +153,10 @@ class Mask:
 
         batch_size: how many batch rows the mask's data holds (default batch + 1).
         """
-        rows = batch + 1 if batch_size is None else batch_size
+        batch, head = inputs.check_nonnegative_int("batch", batch), inputs.check_nonnegative_int("head", head)
+        rows = batch + 1 if batch_size is None else inputs.check_positive_int("batch_size", batch_size)
+        if batch >= rows:
+            raise ValueError(f"batch ({batch}) must be less than batch_size ({rows})")
         grid = self.materialize(Lq, Lk, batch=rows, heads=head + 1)[batch, head]
         width = len(str(max(Lq, Lk) - 1))
         lines = [f"{self!r}  (rows: {Lq} queries, columns: {Lk} keys)"]
@@ -275,6 +286,15 @@ class Causal(IntervalMask):
         return f"causal(align={self.align!r})"
 
 
+#: A window side with no limit: far past any length, yet a position plus or minus it stays in int64.
+_UNLIMITED = np.iinfo(np.int64).max // 4
+
+
+def _reach(side):
+    """How far a window side reaches: None and sides longer than _UNLIMITED reach everything."""
+    return _UNLIMITED if side is None else min(side, _UNLIMITED)
+
+
 class Window(IntervalMask):
     def __init__(self, left, right=0, align: str = "bottom_right"):
         self.left = inputs.check_window_side("left", left)
@@ -282,9 +302,8 @@ class Window(IntervalMask):
         self.align = inputs.check_choice("align", align, ALIGNS)
 
     def interval(self, b, qi, geom):
-        big = np.iinfo(np.int64).max // 4
         shifted = qi + _offset(self.align, geom)
-        return shifted - (big if self.left is None else self.left), shifted + (big if self.right is None else self.right)
+        return shifted - _reach(self.left), shifted + _reach(self.right)
 
     def allows_every_pair(self, geom):
         offset = _offset(self.align, geom)  # query i is centred on key i + offset
@@ -312,7 +331,7 @@ class Padding(IntervalMask):
         lo = qi * 0
         if self.q_lengths is not None:
             q_len = _arrays.like(self.q_lengths, b)[b]
-            lo = lo + (qi >= q_len) * (np.iinfo(np.int64).max // 4)  # padded query rows see nothing
+            lo = lo + (qi >= q_len) * _UNLIMITED  # padded query rows see nothing
         return lo, hi
 
     def __repr__(self):
@@ -633,7 +652,7 @@ class ScoreFn(ScoreMod):
         self.fn = inputs.check_callable("fn", fn)
 
     def apply(self, s, b, h, qi, ki, geom):
-        return self.fn(s, b, h, qi, ki)
+        return inputs.check_score_result("score_fn", self.fn(s, b, h, qi, ki), s)
 
     def __repr__(self):
         return f"score_fn({getattr(self.fn, '__name__', 'fn')})"

@@ -199,6 +199,10 @@ class AttentionCore:
     def _check_cache(self, query, cache):
         if cache is None:
             return
+        cache_kind = _arrays.kind_of(cache.keys)
+        if cache_kind != self._kind:
+            raise TypeError(f"the cache holds {_KIND_NAMES[cache_kind]}s but this module computes on "
+                            f"{_KIND_NAMES[self._kind]}s; make the cache with this module's init_cache(batch_size, max_len)")
         if query.shape[0] != cache.batch_size:
             raise ValueError(f"query has batch size {query.shape[0]} but the cache was made for "
                              f"batch_size={cache.batch_size}")

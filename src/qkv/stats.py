@@ -67,7 +67,7 @@ class AttentionStats:
     topk_weights: object = None
 
 
-def attention_stats(q, k, mask=None, *, score_mod=None, scale=None, topk=0) -> AttentionStats:
+def attention_stats(q, k, mask=None, topk=0, *, score_mod=None, scale=None) -> AttentionStats:
     """Entropy, largest weight, attention received and top-k keys, without the Lq x Lk matrix.
 
     Args:

@@ -92,7 +92,10 @@ class NativeBackend(Backend):
         return f"{_native.isa()} instructions, {self.num_threads} threads ({_native.threading()})"
 
     def extra_reasons(self, inp):
-        return inline_score_mod_reasons(inp, (Alibi, Bias, Softcap), "the native kernel")
+        reasons = inline_score_mod_reasons(inp, (Alibi, Bias, Softcap), "the native kernel")
+        if inp.kind == "numpy" and any(s % x.itemsize for x in (inp.q, inp.k, inp.v) for s in x.strides):
+            reasons.append("strides that are not whole elements (a field of a structured array)")
+        return reasons
 
     def on_amx(self, inp):
         """Whether this call's forward products run on AMX tiles: bfloat16 always where AMX
