@@ -125,6 +125,35 @@ def test_score_mods_combine_with_the_cache(kind, name):
     np.testing.assert_allclose(np.concatenate([back(o) for o in outs], axis=1), full, rtol=1e-10, atol=1e-12)
 
 
+IDS = np.array([[0, 0, 0, 1, 1, 1, 1, 2, 2], [0, 1, 1, 1, 1, 2, 2, 2, 2]])  # packed documents, (B, L)
+WHOLE_SEQUENCE_RULES = {  # mask objects and score rules read the query's position in the sequence
+    "mask_fn": (lambda a, b: qkv.mask_fn(lambda bb, h, i, j: (i - j) % 3 != 1), None),
+    "score_fn": (lambda a, b: None, qkv.score_fn(lambda s, bb, h, i, j: s - 0.25 * abs(i - j) + 0.1 * i)),
+    "window top-left": (lambda a, b: qkv.window(3, 0, align="top_left"), None),
+    "not a window": (lambda a, b: ~qkv.window(1, 0), None),
+    "causal top-left & mask_fn": (lambda a, b: qkv.causal(align="top_left") & qkv.mask_fn(lambda bb, h, i, j: j != 1),
+                                  None),
+    "document": (lambda a, b: qkv.document(IDS[:, :b]), None),  # ids of the sequence so far
+    "prefix_lm | window": (lambda a, b: qkv.prefix_lm([2, 4]) | qkv.window(1, 0), None),
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", list(WHOLE_SEQUENCE_RULES))
+def test_rules_of_the_whole_sequence_give_the_full_pass(kind, name):
+    """A cached call's query i is position cached + i of the sequence, for masks and score rules
+    alike (Mask.from_query): the steps give the full pass's rows."""
+    mha, to, back = make(kind, num_kv_heads=2, seed=11)
+    mask_for, score_mod = WHOLE_SEQUENCE_RULES[name]
+    B, L = IDS.shape
+    x = np.random.default_rng(12).standard_normal((B, L, D_MODEL))
+    user_mask = mask_for(0, L)
+    full = back(mha(to(x), mask=qkv.causal() if user_mask is None else qkv.causal() & user_mask,
+                    score_mod=score_mod)[0])
+    outs, _ = decode(mha, to, x, [4, 1, 2, 1, 1], mask_for=mask_for, score_mod=score_mod)
+    np.testing.assert_allclose(np.concatenate([back(o) for o in outs], axis=1), full, rtol=1e-10, atol=1e-12)
+
+
 def test_query_wider_than_the_cache_is_refused_not_rounded():
     """Uncached, NumPy promotes a float64 query through float32 weights to float64; the float32
     cache cannot widen, so the cached call refuses the query, naming both dtypes."""

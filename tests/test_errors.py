@@ -366,6 +366,22 @@ def test_score_fn_errors_on_every_backend(rule, error, pattern, kind, backend):
         qkv.attention(q, k, v, score_mod=qkv.score_fn(rule), backend=backend)
 
 
+@pytest.mark.parametrize("backend", ["torch", "native", None])
+def test_trainable_tensors_in_score_modifiers_are_refused_not_left_without_gradient(backend):
+    q = TQ.clone().requires_grad_()
+    learned = torch.zeros(HQ, LQ + LK, requires_grad=True)  # a relative-position bias being trained
+    relative = qkv.score_fn(lambda s, b, h, i, j: s + learned[h, i - j + LK])
+    with pytest.raises(ValueError, match="score_fn reads tensors that require grad.*attention_weights"):
+        qkv.attention(q, TK, TV, score_mod=relative, backend=backend)
+    with pytest.raises(ValueError, match="slopes that require grad are not supported.*detach"):
+        qkv.alibi(torch.tensor([0.5, 0.25, 0.125, 0.0625], requires_grad=True))
+    with torch.no_grad():  # nothing to differentiate: the rule runs
+        assert qkv.attention(q, TK, TV, score_mod=relative, backend="torch").shape == (B, HQ, LQ, 3)
+    # the way the message gives: the explicit weights record the rule
+    (qkv.attention_weights(q, TK, score_mod=relative) @ TV.repeat_interleave(2, dim=1)).sum().backward()
+    assert learned.grad is not None and learned.grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("kind, backend", BACKEND_RUNS, ids=lambda x: str(x))
 def test_alibi_wrong_count_on_every_backend(kind, backend):
     q, k, v = (Q, K, V) if kind == "numpy" else (TQ, TK, TV)

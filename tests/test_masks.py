@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import qkv
+from qkv import masks
 from helpers import check_backend, dtypes_of_backend, kind_of_backend, precise_dtype, random_qkv
 
 B, H = 2, 2
@@ -62,6 +63,26 @@ def test_a_mask_that_forbids_nothing_is_not_applied(rng):
     np.testing.assert_array_equal(qkv.attention(q, k, v, qkv.causal()), qkv.attention(q, k, v))  # a decoding step
     assert "causal(align='bottom_right') (allows every pair at these sizes: not applied)" in str(
         qkv.explain(q, k, v, qkv.causal()))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: qkv.causal(), lambda: qkv.causal(align="top_left"), lambda: qkv.window(2, 1, align="top_left"),
+    lambda: qkv.window(1, 0), lambda: qkv.padding([6, 4], q_lengths=[5, 7]), lambda: qkv.prefix_lm([3, 1]),
+    lambda: qkv.document(np.array([[0, 0, 1, 1, 1, 2, 2], [0, 1, 1, 2, 2, 2, 2]])),
+    lambda: qkv.mask_fn(lambda b, h, i, j: (i + j + h) % 3 != 0),
+    lambda: ~qkv.window(1, 1, align="top_left") | (qkv.causal() & qkv.mask_fn(lambda b, h, i, j: i != 2 * j)),
+])
+@pytest.mark.parametrize("offset", [0, 1, 4])
+def test_from_query_gives_the_rows_of_the_whole_pass(make, offset):
+    L = 7
+    mask = make()
+    whole = mask.materialize(L, L, batch=2, heads=3)  # (2, 3, L, L)
+    later = mask.from_query(offset)
+    np.testing.assert_array_equal(later.materialize(L - offset, L, batch=2, heads=3), whole[:, :, offset:])
+    blocks = later.blocks(L - offset, L, 2, 3, batch=2, heads=3)  # exact classes of the later rows' tiles
+    np.testing.assert_array_equal(blocks, qkv.dense_mask(whole[:, :, offset:]).blocks(L - offset, L, 2, 3, batch=2,
+                                                                                           heads=3))
+    assert isinstance(later, type(mask)) or isinstance(mask, masks.IntervalMask) == isinstance(later, masks.IntervalMask)
 
 
 def test_drawing_and_materializing_check_their_sizes():

@@ -7,6 +7,7 @@ q, k, v reshaped to 4-D ``(B, H, L, D)`` (B = the flattened leading dims), a mas
 from __future__ import annotations
 
 import math
+import sys
 import numbers
 from dataclasses import dataclass, field
 
@@ -100,6 +101,9 @@ def check_ids_fit(name, ids, batch, length, length_name):
 
 
 def check_slopes(name, slopes):
+    if _arrays.is_torch(slopes) and slopes.requires_grad:
+        raise ValueError(f"{name} that require grad are not supported: qkv gives no gradient for them; "
+                         f"pass {name}.detach(), or add the ALiBi term as a float mask computed outside")
     arr = np.asarray(_arrays.to_numpy(slopes), dtype=None)
     if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.floating) and not np.issubdtype(arr.dtype, np.integer):
         raise ValueError(f"{name} must be a 1-D array of numbers (one per query head), got {arr.dtype} {arr.shape}")
@@ -415,6 +419,24 @@ def prepare(q, k, v, mask=None, *, score_mod=None, scale=None, dropout_p=0.0, se
     for m in mods:
         m.check(inp.geom)
     return inp
+
+
+def refuse_trainable_rules(inp: AttentionInputs):
+    """A score_fn that reads tensors which require grad (a learned relative bias, say) would get
+    no gradient from qkv's kernels: refuse it, as a float mask that requires grad is refused.
+    The rule is tried once at position (0, 0, 0, 0), which every non-empty call evaluates too."""
+    rules = [m for m in inp.score_mods if isinstance(m, masks.ScoreFn)]
+    if not rules or inp.kind != "torch" or not _arrays.grad_enabled():
+        return
+    torch, like = sys.modules["torch"], inp.q
+    score = torch.zeros((1, 1, 1, 1), dtype=like.dtype, device=like.device)
+    index = torch.zeros((1, 1, 1, 1), dtype=torch.int64, device=like.device)
+    for rule in rules:
+        result = rule.fn(score, index, index, index + rule.first_query, index)
+        if _arrays.is_torch(result) and result.requires_grad:
+            raise ValueError("score_fn reads tensors that require grad: qkv gives no gradient for them. "
+                             "Detach them, or differentiate through qkv.attention_weights(q, k, mask, "
+                             "score_mod=...) @ v, which records the rule (O(Lq·Lk) memory)")
 
 
 # masks imports this module; importing it last hands it a complete one (an import inside the

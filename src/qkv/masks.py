@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -89,6 +89,20 @@ class Mask:
     def allows_every_pair(self, geom: Geometry) -> bool:
         """True when, at these sizes, the mask forbids nothing (so there is nothing to apply):
         causal with one query per row, a decoding step, is the common case. False when unsure."""
+        return False
+
+    # ---- calls that continue a sequence -----------------------------------------------------
+    def from_query(self, offset: int) -> "Mask":
+        """This mask for a call whose query i is position offset + i of the sequence the mask
+        was written for (a step that continues a KV cache, as qkv's modules make): the rows
+        [offset, offset + Lq) of the whole pass, evaluated at its sizes (offset + Lq queries)."""
+        if offset == 0 or self._same_in_later_rows():
+            return self
+        return _LaterRows(self, offset)
+
+    def _same_in_later_rows(self) -> bool:
+        """True when the call's own rows already are the whole pass's last ones: the rule
+        reads query positions only as i + Lk - Lq (bottom-right), or not at all."""
         return False
 
     # ---- algebra --------------------------------------------------------------------------
@@ -230,6 +244,11 @@ class IntervalMask(Mask):
             return IntervalIntersection(self, other)
         return super().__and__(other)
 
+    def from_query(self, offset):
+        if offset == 0 or self._same_in_later_rows():
+            return self
+        return _LaterIntervalRows(self, offset)
+
     def _classify(self, geom, block_q, block_k):
         """Tile classes from the rows' key intervals in O(B·Lq + B·nq·nk) memory: a tile is FULL
         when its rows' largest lo and smallest hi span it, EMPTY when no row's interval reaches it."""
@@ -282,6 +301,9 @@ class Causal(IntervalMask):
     def allows_every_pair(self, geom):
         return self.shift(geom) >= geom.Lk - 1  # the first query already sees the last key
 
+    def _same_in_later_rows(self):
+        return self.align == "bottom_right"
+
     def __repr__(self):
         return f"causal(align={self.align!r})"
 
@@ -311,6 +333,9 @@ class Window(IntervalMask):
         sees_last = self.right is None or offset + self.right >= geom.Lk - 1
         return sees_first and sees_last
 
+    def _same_in_later_rows(self):
+        return self.align == "bottom_right"
+
     def __repr__(self):
         return f"window(left={self.left}, right={self.right}, align={self.align!r})"
 
@@ -334,6 +359,9 @@ class Padding(IntervalMask):
             lo = lo + (qi >= q_len) * _UNLIMITED  # padded query rows see nothing
         return lo, hi
 
+    def _same_in_later_rows(self):
+        return self.q_lengths is None
+
     def __repr__(self):
         q = "" if self.q_lengths is None else f", q_lengths={self.q_lengths.tolist()}"
         return f"padding(kv_lengths={self.kv_lengths.tolist()}{q})"
@@ -351,6 +379,9 @@ class PrefixLM(IntervalMask):
         causal_hi = qi + _offset("bottom_right", geom)
         hi = (prefix - 1) * (prefix - 1 > causal_hi) + causal_hi * (prefix - 1 <= causal_hi)  # max, any kind
         return qi * 0, hi
+
+    def _same_in_later_rows(self):
+        return True  # its causal part is bottom-right; the prefix is in key positions
 
     def __repr__(self):
         return f"prefix_lm(lengths={self.lengths.tolist()})"
@@ -375,10 +406,43 @@ class _Intersection:
 
 
 class IntervalIntersection(_Intersection, IntervalMask):
+    def from_query(self, offset):
+        return type(self)(*(p.from_query(offset) for p in self.parts))
+
     def interval(self, b, qi, geom):
         (lo1, hi1), (lo2, hi2) = (p.interval(b, qi, geom) for p in self.parts)
         xp = _arrays.namespace(qi)
         return xp.maximum(lo1, lo2), xp.minimum(hi1, hi2)
+
+
+class _LaterRows(Mask):
+    """Rows [offset, offset + Lq) of `inner` at the sizes of the whole pass (see Mask.from_query)."""
+
+    def __init__(self, inner: Mask, offset: int):
+        self.inner, self.offset = inner, offset
+        self.head_independent = inner.head_independent
+
+    def whole(self, geom):
+        """The whole pass's sizes: the earlier queries come first."""
+        return replace(geom, Lq=geom.Lq + self.offset)
+
+    def check(self, geom):
+        self.inner.check(self.whole(geom))
+
+    def allowed(self, b, h, qi, ki, geom):
+        return self.inner.allowed(b, h, qi + self.offset, ki, self.whole(geom))
+
+    def __repr__(self):
+        return f"{self.inner!r} from query {self.offset}"
+
+
+class _LaterIntervalRows(_LaterRows, IntervalMask):
+    """The same for a key-interval mask, which stays one (the kernels take it inline)."""
+
+    allowed = IntervalMask.allowed
+
+    def interval(self, b, qi, geom):
+        return self.inner.interval(b, qi + self.offset, self.whole(geom))
 
 
 # ======================================================================================
@@ -476,6 +540,9 @@ class DenseMask(_DenseArray, Mask):
     def allowed(self, b, h, qi, ki, geom):
         return _dense_lookup(self.fitted(geom), b, h, qi, ki)
 
+    def _same_in_later_rows(self):
+        return True  # an array holds the call's own rows
+
     def __repr__(self):
         return f"dense_mask(shape={tuple(self.array.shape)})"
 
@@ -494,6 +561,9 @@ class And(_Intersection, Mask):
 
     def allowed(self, b, h, qi, ki, geom):
         return self.parts[0].allowed(b, h, qi, ki, geom) & self.parts[1].allowed(b, h, qi, ki, geom)
+
+    def from_query(self, offset):  # Or too
+        return type(self)(*(p.from_query(offset) for p in self.parts))
 
     def _classify(self, geom, block_q, block_k):
         x, y = (p._classify(geom, block_q, block_k) for p in self.parts)
@@ -529,6 +599,9 @@ class Not(Mask):
 
     def allowed(self, b, h, qi, ki, geom):
         return ~self.inner.allowed(b, h, qi, ki, geom)
+
+    def from_query(self, offset):
+        return Not(self.inner.from_query(offset))
 
     def _classify(self, geom, block_q, block_k):
         x = self.inner._classify(geom, block_q, block_k)
@@ -611,6 +684,11 @@ class ScoreMod:
     def check(self, geom: Geometry) -> None:
         """Raise ValueError if the modifier's parameters do not fit these sizes."""
 
+    def from_query(self, offset: int) -> "ScoreMod":
+        """As Mask.from_query. alibi reads query positions bottom-right and a bias array
+        holds the call's own rows, so only score_fn changes."""
+        return self
+
 
 class Alibi(ScoreMod):
     additive = True
@@ -648,11 +726,15 @@ class Softcap(ScoreMod):
 
 
 class ScoreFn(ScoreMod):
-    def __init__(self, fn):
+    def __init__(self, fn, first_query: int = 0):
         self.fn = inputs.check_callable("fn", fn)
+        self.first_query = first_query  # the position of the call's query 0 (see from_query)
 
     def apply(self, s, b, h, qi, ki, geom):
-        return inputs.check_score_result("score_fn", self.fn(s, b, h, qi, ki), s)
+        return inputs.check_score_result("score_fn", self.fn(s, b, h, qi + self.first_query, ki), s)
+
+    def from_query(self, offset):
+        return self if offset == 0 else ScoreFn(self.fn, self.first_query + offset)
 
     def __repr__(self):
         return f"score_fn({getattr(self.fn, '__name__', 'fn')})"
@@ -681,7 +763,12 @@ def softcap(cap) -> ScoreMod:
 
 
 def score_fn(fn) -> ScoreMod:
-    """Any vectorised rule ``fn(score, b, h, qi, ki) -> new score`` (NumPy or torch ops)."""
+    """Any vectorised rule ``fn(score, b, h, qi, ki) -> new score`` (NumPy or torch ops).
+
+    The answer is a floating array that broadcasts to the scores' shape (a rule of the
+    positions alone may return (Lq, Lk)). No gradient flows to tensors the rule reads: with
+    autograd recording, a rule that reads tensors requiring grad is refused.
+    """
     return ScoreFn(fn)
 
 

@@ -161,8 +161,8 @@ class AttentionCore:
         k = self._split_heads(self._project(key, "k"), self.num_kv_heads)  # (B, Hkv, Lk, depth)
         v = self._split_heads(self._project(value, "v"), self.num_kv_heads)  # (B, Hkv, Lk, depth)
         if cache is not None:
+            mask, score_mod = _with_causal(mask, score_mod, q, cache.length)
             k, v = cache.stage(k, v)  # (B, Hkv, length + Lq, depth): cached and new positions
-            mask, score_mod = _with_causal(mask, score_mod, q)
         heads = attention(q, k, v, mask, score_mod=score_mod, dropout_p=dropout_p)  # (B, Hq, Lq, depth)
         weights = attention_weights(q, k, mask, score_mod=score_mod) if need_weights else None
         if cache is not None:
@@ -260,17 +260,20 @@ def _check_batch_size(batch_size, actual):
         raise ValueError(f"batch_size ({batch_size}) does not match the batch dim of x ({actual})")
 
 
-def _with_causal(mask, score_mod, q):
-    """The user's mask (any of the mask language) and the bottom-right causal mask, for a cached call.
+def _with_causal(mask, score_mod, q, cached: int):
+    """The user's mask (any of the mask language) and the bottom-right causal mask, for a call
+    after `cached` positions. Masks and score rules describe the whole sequence: the call's
+    query i is position cached + i (Mask.from_query); mask arrays hold the call's own rows.
 
     Returns (mask, score_mod): a float mask is an additive bias, so it travels as a score modifier,
     ahead of the user's own ones (the order qkv.attention applies them in for an uncached call).
     """
+    mods = [m.from_query(cached) for m in inputs.as_score_mods(score_mod)]
     if mask is None:  # every decoding step without a mask of its own
-        return _CAUSAL, score_mod
+        return _CAUSAL, mods or None
     mask_obj, biases = inputs.as_mask(mask, _arrays.kind_of(q), inputs.dtype_name(q))
-    combined = _CAUSAL if mask_obj is None else _CAUSAL & mask_obj
-    return combined, (list(biases) + list(inputs.as_score_mods(score_mod)) or None)
+    combined = _CAUSAL if mask_obj is None else _CAUSAL & mask_obj.from_query(cached)
+    return combined, (list(biases) + mods or None)
 
 
 _CAUSAL = causal()  # masks are immutable: one serves every call
@@ -342,6 +345,9 @@ class MultiHeadAttention(AttentionCore):
             need_weights: also return the attention weights (B, num_heads, Lq, Lk).
             cache: a KVCache from ``init_cache``: self-attention over the cached tokens and
                 these ones, with the bottom-right causal mask (combined with ``mask``).
+                ``mask`` objects and ``score_fn`` rules read query i as position
+                ``cache.length + i`` of the sequence (``Mask.from_query``); mask arrays hold
+                this call's rows.
                 The cache holds the module's dtype. Without a cache NumPy promotes (a float64
                 query through float32 weights gives float64); a cache cannot widen, so a query
                 that would promote past it is refused (TypeError) rather than rounded down:

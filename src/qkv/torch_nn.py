@@ -88,6 +88,9 @@ class MultiHeadAttention(AttentionCore, nn.Module):
             need_weights: also return the attention weights (B, H, L, S), before dropout.
             cache: a KVCache from ``init_cache``: self-attention over the cached tokens and
                 these ones, with the bottom-right causal mask (combined with ``mask``).
+                ``mask`` objects and ``score_fn`` rules read query i as position
+                ``cache.length + i`` of the sequence (``Mask.from_query``); mask arrays hold
+                this call's rows.
                 Decode under ``torch.no_grad()``: the cache is written in place. The cache
                 holds the module's dtype (query must have it too).
             score_mod: a score modifier (``qkv.alibi(slopes)``, ``qkv.softcap(cap)``,
