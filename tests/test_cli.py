@@ -97,7 +97,12 @@ def test_bench_without_its_dependencies_gives_the_install_hint(monkeypatch, caps
     (["--dtype", "bfloat16"], "--dtype set the --shape workloads; give --shape too"),
     (["--causal", "--backward"], "--causal, --backward set the --shape workloads; give --shape too"),
     (["--json", "missing/x.json"], "argument --json: cannot write 'missing/x.json': no folder"),
-    (["--sweep", "--plot", "."], "argument --plot: cannot write '.': it is a folder"),
+    (["--sweep", "--plot", "."], "argument --plot: needs a file name ending in .png, got '.'"),
+    (["--sweep", "--plot", ""], "argument --plot: needs a file name, got an empty one"),
+    (["--json", "."], "argument --json: cannot write '.': it is a folder"),
+    (["--shape", "1,3,2,16,16,8"], "argument --shape: the query heads (3) must be a multiple of the key/value heads (2)"),
+    pytest.param(["--json", "/proc/x.json"], "argument --json: cannot write '/proc/x.json': ",
+                 marks=pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc")),
 ])
 def test_bench_argument_errors_are_one_line_before_anything_runs(monkeypatch, tmp_path, capsys, argv, message):
     monkeypatch.chdir(tmp_path)
@@ -107,6 +112,21 @@ def test_bench_argument_errors_are_one_line_before_anything_runs(monkeypatch, tm
     assert exc.value.code == 2
     assert f"qkv bench: error: {message}" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_bench_fails_when_nothing_ran_for_a_workload(monkeypatch, capsys):
+    def broken_setup():
+        raise RuntimeError("cannot run here")
+    monkeypatch.setattr(bench, "implementations", lambda w, peers=True: {"broken": broken_setup})
+    assert cli.main(["bench", "--shape", "1,1,8,8", "--repeats", "1", "--no-peers"]) == 1
+    out = capsys.readouterr().out
+    assert "did not run (RuntimeError: cannot run here)" in out and "nothing ran for fwd float32 B=1 H=1 L=8 D=8" in out
+
+
+def test_python_dash_m_qkv_is_the_qkv_command():
+    done = subprocess.run([sys.executable, "-m", "qkv", "info"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("qkv ") and "native" in done.stdout
 
 
 def test_a_reader_that_leaves_early_gets_no_traceback(monkeypatch):

@@ -374,7 +374,7 @@ def test_shard_errors(call, message):
 
 
 @pytest.mark.parametrize("shards", [[np.zeros((2, 3)), torch.zeros(2, 3)],
-                                    [torch.zeros(2, 3, dtype=torch.float64), torch.zeros(2, 3)]])
+                                    [torch.zeros(2, 3, dtype=torch.float64), torch.zeros(2, 3)], [1, 2]])
 def test_unshard_refuses_shards_of_mixed_kinds_or_dtypes(shards):
     with pytest.raises(TypeError, match="every shard must be an array of one kind and dtype"):
         qd.unshard(shards)

@@ -66,8 +66,15 @@ def test_weights_and_labels_are_checked():
         viz.terminal_heatmap([[1.0]])
     with pytest.raises(ValueError, match=r"layer must be an integer in \[0, 2\)"):
         viz.terminal_heatmap(sample_weights(), layer=2)
-    with pytest.raises(ValueError, match=r"head must be an integer in \[0, 3\)"):
+    with pytest.raises(ValueError, match=r"head \(or -1, all heads\) must be an integer in \[0, 3\)"):
         viz.head_view_html(sample_weights(), head=7)
+    for draw in (viz.terminal_heatmap, viz.head_view_html):  # None means "every layer" only in the grid
+        with pytest.raises(ValueError, match=r"layer must be an integer in \[0, 2\).*got None"):
+            draw(sample_weights(), layer=None)
+    with pytest.raises(ValueError, match=r"head \(or -1, all heads\) must be an integer .*got None"):
+        viz.head_view_html(sample_weights(), head=None)
+    with pytest.raises(ValueError, match="digits must be a positive integer, got -1"):
+        viz.head_view_html(sample_weights(), digits=-1)
     with pytest.raises(TypeError, match="tokens must be a list of strings"):
         viz.as_maps(np.eye(3), "abc")
 
@@ -122,6 +129,8 @@ def test_html_is_self_contained_and_carries_the_weights(tmp_path):
     assert data["tokens"] == TOKENS and data["key_tokens"] == TOKENS and data["title"] == "cats & <dogs>"
     np.testing.assert_allclose(np.array(data["weights"]), w, atol=5e-5)
     assert "<title>cats &amp; &lt;dogs&gt;</title>" in page
+    tricky = viz.head_view_html(w, ["__DATA__", *TOKENS[1:]], title="a __DATA__ b")  # placeholders stay text
+    assert "<title>a __DATA__ b</title>" in tricky and _embedded_data(tricky)["tokens"][0] == "__DATA__"
 
 
 def _chromium(*args, url, tmp_path, timeout=90):
@@ -227,6 +236,20 @@ def test_command_errors_are_one_clear_line(tmp_path, capsys):
     np.save(tmp_path / "w.npy", np.eye(3))
     assert viz.main(["--npy", str(tmp_path / "w.npy"), "--tokens", "a b"]) == 2
     assert "tokens has 2 labels" in capsys.readouterr().err
+    assert viz.main(["--random", "--tokens", "a b"]) == 2
+    assert "--tokens labels the weights of --npy" in capsys.readouterr().err
+    assert viz.main(["--random", "--seed", "-1"]) == 2
+    assert "seed must be a non-negative integer, got -1" in capsys.readouterr().err
+    def too_large(*args, **kwargs):
+        raise MemoryError  # as NumPy's allocation of a very long --length's weights does
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(viz, "random_weights", too_large)
+        assert viz.main(["--random", "--length", "200000", "--quiet"]) == 2
+    assert "not enough memory for these weights" in capsys.readouterr().err
+    for option, name in (("--png", "grid"), ("--png", ""), ("--html", "view.txt")):
+        with pytest.raises(SystemExit) as exc:
+            viz.main(["--random", option, str(tmp_path / name) if name else ""])
+        assert exc.value.code == 2 and f"argument {option}: needs a file name" in capsys.readouterr().err
 
 
 def test_command_on_a_sentence(tmp_path, capsys):

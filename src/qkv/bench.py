@@ -23,6 +23,7 @@ import numpy as np
 
 from . import attention, causal, dispatch
 from ._memory import peak_growth
+from ._paths import output_file
 from ._threads import available_cpus, cpu_name
 
 
@@ -110,9 +111,8 @@ def implementations(w: Workload, peers: bool = True) -> dict:
         if peers:
             impls["torch flex (compiled)"] = _flex_impl(w)
         return impls
-    for name, backend in dispatch.REGISTRY.items():
-        runs_here = backend.ever_automatic and backend.runs_on_cpu and backend.missing() is None
-        if runs_here and w.dtype in backend.caps.dtypes:
+    for name in _cpu_backends():
+        if w.dtype in dispatch.REGISTRY[name].caps.dtypes:
             if name == "numpy" and (w.backward or w.dtype != "float32" or w.flops() > 2e11):
                 continue  # the NumPy backend has no autograd; skip the slow giant runs
             impls[f"qkv {name}"] = _qkv_impl(w, name)
@@ -120,6 +120,19 @@ def implementations(w: Workload, peers: bool = True) -> dict:
     if peers and not w.decoding and importlib.util.find_spec("torch.nn.attention.flex_attention"):
         impls["torch flex (compiled)"] = _flex_impl(w)
     return impls
+
+
+def _cpu_backends() -> list[str]:
+    """qkv's backends that run here on the CPU and may be chosen automatically."""
+    return [name for name, backend in dispatch.REGISTRY.items()
+            if backend.ever_automatic and backend.runs_on_cpu and backend.missing() is None]
+
+
+def _without_dtype(w: Workload) -> list[str]:
+    """qkv's CPU backends left out of a workload for its dtype."""
+    if w.device != "cpu":
+        return []
+    return [f"qkv {name}" for name in _cpu_backends() if w.dtype not in dispatch.REGISTRY[name].caps.dtypes]
 
 
 def _inputs(w: Workload, kind: str, requires_grad: bool = False):
@@ -328,6 +341,9 @@ def parse_shape(text: str) -> Workload:
         B, H, L, D = map(int, parts)
         return Workload(f"B={B} H={H} L={L} D={D}", B, H, H, L, L, D)
     B, Hq, Hkv, Lq, Lk, D = map(int, parts)
+    if Hq % Hkv:
+        raise argparse.ArgumentTypeError(f"the query heads ({Hq}) must be a multiple of the key/value heads ({Hkv}); "
+                                         f"got {text!r}")
     return Workload(f"B={B} Hq={Hq} Hkv={Hkv} Lq={Lq} Lk={Lk} D={D}", B, Hq, Hkv, Lq, Lk, D)
 
 
@@ -353,18 +369,6 @@ def world_size(text: str) -> int:
     return world
 
 
-def writable_path(text: str) -> str:
-    """An output file whose folder exists, checked before anything is measured."""
-    folder = os.path.dirname(os.path.abspath(text))
-    if not os.path.isdir(folder):
-        raise argparse.ArgumentTypeError(f"cannot write {text!r}: no folder {folder!r}")
-    if os.path.isdir(text):
-        raise argparse.ArgumentTypeError(f"cannot write {text!r}: it is a folder")
-    if not os.access(folder, os.W_OK):
-        raise argparse.ArgumentTypeError(f"cannot write {text!r}: no permission to write in {folder!r}")
-    return text
-
-
 def add_arguments(parser) -> None:
     parser.add_argument("--shape", action="append", type=parse_shape, default=[],
                         help="B,H,L,D or B,Hq,Hkv,Lq,Lk,D (repeatable); replaces the default suite")
@@ -378,8 +382,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--sweep", action="store_true", help="also sweep the sequence length (for --plot; CPU)")
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed rounds per workload (median reported)")
     parser.add_argument("--no-peers", action="store_true", help="skip torch flex_attention (slow to compile)")
-    parser.add_argument("--json", metavar="PATH", type=writable_path, help="write every result and the machine as JSON")
-    parser.add_argument("--plot", metavar="PNG", type=writable_path,
+    parser.add_argument("--json", metavar="PATH", type=output_file(), help="write every result and the machine as JSON")
+    parser.add_argument("--plot", metavar="PNG", type=output_file((".png",)),
                         help="plot throughput against sequence length (needs --sweep)")
     parser.add_argument("--distributed", type=world_size, metavar="N",
                         help="instead: ring attention over N local processes against one process (per-rank memory, "
@@ -452,6 +456,10 @@ def run(args) -> int:
     for r in results:
         if r.error:
             console.print(f"[dim]{r.workload} / {r.impl}: did not run ({r.error})[/dim]")
+    for w in workloads:
+        if _without_dtype(w):
+            console.print(f"[dim]{w.name}: {', '.join(_without_dtype(w))} left out (no {w.dtype})[/dim]")
+    nothing_ran = sorted({r.workload for r in results} - {r.workload for r in results if not r.error})
     if bandwidth:
         console.print(f"measured memory read bandwidth: {bandwidth:.1f} GB/s (torch sum over 1 GiB on {args.device})")
     if args.json:
@@ -461,6 +469,9 @@ def run(args) -> int:
     if args.plot:
         plot(results, args.plot, info)
         console.print(f"plot written to {args.plot}")
+    if nothing_ran:
+        console.print(f"nothing ran for {', '.join(nothing_ran)}")
+        return 1
     return 0
 
 

@@ -157,12 +157,12 @@ def unshard(shards, layout: str = "contiguous", dim: int = -2):
     if not isinstance(shards, (list, tuple)) or not shards:
         raise ValueError(f"shards must be a non-empty list (one shard per rank, in rank order), got {shards!r:.80}")
     world, per_rank = len(shards), chunks_per_rank(layout)
+    kinds = [(_arrays.kind_of(s), inputs.dtype_name(s) if _arrays.kind_of(s) else type(s).__name__) for s in shards]
+    if len(set(kinds)) > 1 or kinds[0][0] is None:  # no silent casts, as everywhere in qkv
+        raise TypeError(f"every shard must be an array of one kind and dtype; got {kinds}")
     shapes = {tuple(s.shape) for s in shards}
     if len(shapes) > 1:
         raise ValueError(f"every shard must have the same shape; got {[tuple(s.shape) for s in shards]}")
-    kinds = [(_arrays.kind_of(s), inputs.dtype_name(s) if _arrays.kind_of(s) else None) for s in shards]
-    if len(set(kinds)) > 1 or kinds[0][0] is None:  # no silent casts, as everywhere in qkv
-        raise TypeError(f"every shard must be an array of one kind and dtype; got {kinds}")
     axis = _axis(shards[0], dim)
     local = shards[0].shape[axis]
     if local % per_rank:

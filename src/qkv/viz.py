@@ -19,13 +19,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from . import _arrays, inputs
+from ._paths import output_file
 
 SHADES = " ░▒▓█"
 _TEMPLATE = Path(__file__).parent / "viz_assets" / "head_view.html"
@@ -85,8 +88,9 @@ def _labels(name, labels, n):
     return [str(t) for t in labels]
 
 
-def _check_index(name, value, size, what):
-    if value is None:
+def _check_index(name, value, size, what, optional=False):
+    """An index into `size` things (negative counts from the end); None only where optional."""
+    if value is None and optional:
         return None
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not -size <= value < size:
         raise ValueError(f"{name} must be an integer in [0, {size}) ({size} {what}), got {value!r}")
@@ -111,7 +115,7 @@ def terminal_heatmap(weights, tokens=None, *, key_tokens=None, layer=0, head=Non
     """
     maps = as_maps(weights, tokens, key_tokens)
     layer = _check_index("layer", layer, maps.layers, "layers")
-    head = _check_index("head", head, maps.heads, "heads")
+    head = _check_index("head", head, maps.heads, "heads", optional=True)
     w = maps.weights[layer]  # (heads, Lq, Lk)
     grid = w.mean(0) if head is None else w[head]  # (Lq, Lk)
     top = float(grid.max()) if scale is None else inputs.check_positive_float("scale", scale)
@@ -165,12 +169,13 @@ def heatmap_grid(weights, tokens=None, *, key_tokens=None, layer=None, path=None
     """
     Figure = _figure_class()
     maps = as_maps(weights, tokens, key_tokens)
-    layer = _check_index("layer", layer, maps.layers, "layers")
+    layer = _check_index("layer", layer, maps.layers, "layers", optional=True)
     panels = _panels(maps, layer)  # [(layer, head)]
     n_rows, n_cols = (maps.layers, maps.heads) if layer is None else (math.ceil(maps.heads / 6), min(maps.heads, 6))
     Lq, Lk = maps.weights.shape[-2:]
     cell = max(1.6, min(3.2, 0.2 * max(Lq, Lk) + 0.8))  # inches per panel
-    fig = Figure(figsize=(n_cols * cell + 1.2, n_rows * cell + 1.0), dpi=110, layout="constrained")
+    width = n_cols * cell + 1.2
+    fig = Figure(figsize=(width, n_rows * cell + 1.0), dpi=110, layout="constrained")
     axes = fig.subplots(n_rows, n_cols, squeeze=False)
     shown = maps.weights if layer is None else maps.weights[layer]
     top = max(float(shown.max()), 1e-12)  # one colour scale: 0 to the largest weight shown
@@ -184,7 +189,8 @@ def heatmap_grid(weights, tokens=None, *, key_tokens=None, layer=None, path=None
         ax.set_title(f"layer {lay} head {head}" if layer is None else f"head {head}", fontsize=8)
         _label_axes(ax, maps, left=index % n_cols == 0, bottom=index + n_cols >= len(panels))
     fig.colorbar(image, ax=axes, shrink=0.6, aspect=30, pad=0.01, label="attention weight")
-    fig.suptitle(title or _default_title(maps, layer), fontsize=11)
+    # wrapped to the figure's width (about 10 characters an inch at this size): one panel is narrow
+    fig.suptitle(textwrap.fill(title or _default_title(maps, layer), max(24, int(width * 10))), fontsize=11)
     if path is not None:
         fig.savefig(path)
     return fig
@@ -239,7 +245,8 @@ def head_view_html(weights, tokens=None, *, key_tokens=None, layer=0, head=-1, p
     maps = as_maps(weights, tokens, key_tokens)
     layer = _check_index("layer", layer, maps.layers, "layers")
     if head != -1:
-        head = _check_index("head", head, maps.heads, "heads")
+        head = _check_index("head (or -1, all heads)", head, maps.heads, "heads")
+    digits = inputs.check_positive_int("digits", digits)
     data = {
         "title": title or "qkv attention head view",
         "tokens": maps.tokens,
@@ -251,8 +258,9 @@ def head_view_html(weights, tokens=None, *, key_tokens=None, layer=0, head=-1, p
     }
     text = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
     text = text.replace("<", "\\u003c")  # no token ("</script>", "<!--<script>") may end or hide the data block
-    page = _TEMPLATE.read_text(encoding="utf-8")
-    page = page.replace("__TITLE__", _escape(data["title"])).replace("__DATA__", text)
+    fills = {"__TITLE__": _escape(data["title"]), "__DATA__": text}
+    # one pass: a title or token that reads "__DATA__" stays text
+    page = re.sub("__TITLE__|__DATA__", lambda found: fills[found.group()], _TEMPLATE.read_text(encoding="utf-8"))
     if path is not None:
         Path(path).write_text(page, encoding="utf-8")
     return page
@@ -294,8 +302,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--layer", type=int, default=None,
                      help="the layer to draw (default: every layer in the PNG, layer 0 elsewhere)")
     out.add_argument("--head", type=int, default=None, help="the head for the terminal (default: mean of heads)")
-    out.add_argument("--png", metavar="FILE", help="write the grid of heatmaps here (needs qkv[viz])")
-    out.add_argument("--html", metavar="FILE", help="write the interactive head view here")
+    out.add_argument("--png", metavar="FILE", type=output_file((".png",)),
+                     help="write the grid of heatmaps here, a .png file (needs qkv[viz])")
+    out.add_argument("--html", metavar="FILE", type=output_file((".html", ".htm")),
+                     help="write the interactive head view here, a .html file")
     out.add_argument("--quiet", action="store_true", help="do not print the terminal heatmap")
 
 
@@ -306,6 +316,8 @@ def load_weights(args):
     if len(chosen) != 1:
         raise ValueError("give exactly one of: a sentence, --random, --npy" +
                          (f" (got {', '.join(chosen)})" if chosen else ""))
+    if args.tokens is not None and args.npy is None:
+        raise ValueError("--tokens labels the weights of --npy (a sentence and --random label their own)")
     if args.random:
         return random_weights(args.length, args.heads, args.layers, seed=args.seed, causal=args.causal)
     if args.npy is not None:
@@ -314,7 +326,10 @@ def load_weights(args):
         return weights, tokens
     from .models import MiniLM
 
-    tokens, weights = MiniLM.load().attention_map(args.sentence)
+    model = MiniLM.load()
+    tokens, weights = model.attention_map(args.sentence)
+    if len(tokens) >= model.max_length:
+        print(f"qkv viz: {len(tokens)} tokens, the model's limit: a longer sentence is cut there", file=sys.stderr)
     return weights, tokens
 
 
@@ -324,8 +339,8 @@ def random_weights(length=10, heads=4, layers=2, *, seed=0, causal=False, dim=16
     from .masks import causal as causal_mask
 
     for name, value in (("length", length), ("heads", heads), ("layers", layers)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        inputs.check_positive_int(name, value)
+    inputs.check_nonnegative_int("seed", seed)
     rng = np.random.default_rng(seed)
     q, k = (rng.standard_normal((layers, heads, length, dim)) for _ in range(2))
     weights = attention_weights(q, k, causal_mask() if causal else None, scale=2 / math.sqrt(dim))
@@ -350,14 +365,18 @@ def run(args) -> int:
     except (ValueError, TypeError, ImportError, OSError) as error:
         print(f"qkv viz: {error}", file=sys.stderr)
         return 2
+    except MemoryError:
+        print("qkv viz: not enough memory for these weights (layers x heads x Lq x Lk); draw fewer or shorter",
+              file=sys.stderr)
+        return 2
     return 0
 
 
 def main(argv=None) -> int:
     """``python -m qkv.viz ...``: the same as ``qkv viz ...``."""
-    parser = argparse.ArgumentParser(prog="qkv viz", description=HELP)
-    configure_parser(parser)
-    return run(parser.parse_args(argv))
+    from .cli import main as qkv_main
+
+    return qkv_main(["viz", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
