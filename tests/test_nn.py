@@ -199,6 +199,13 @@ def test_unsupported_dtype_is_refused_by_the_constructor(dtype, shown):
         MultiHeadAttention(16, 4, dtype=dtype)
 
 
+def test_cross_attention_inputs_of_different_dtypes_are_refused_by_name():
+    mha = MultiHeadAttention(16, 4, dtype=np.float32)
+    with pytest.raises(TypeError, match="query, key and value must share one dtype; got query float64, key float32"):
+        mha(np.zeros((1, 3, 16)), np.zeros((1, 5, 16), np.float32))
+    assert mha(np.zeros((1, 3, 16)))[0].dtype == np.float64  # self-attention: NumPy promotes, as documented
+
+
 # ---- score modifiers -----------------------------------------------------------------------
 def score_mods_under_test():
     slopes = np.array([0.5, 0.25, 0.125, 0.0625])

@@ -193,6 +193,9 @@ class AttentionCore:
         if tuple(value.shape[:2]) != tuple(key.shape[:2]):
             raise ValueError(f"key and value must have the same (batch, length); got key {tuple(key.shape)}, "
                              f"value {tuple(value.shape)}")
+        if not query.dtype == key.dtype == value.dtype:  # the projections would differ: never a silent cast
+            raise TypeError(f"query, key and value must share one dtype; got query {query.dtype}, key {key.dtype}, "
+                            f"value {value.dtype}")
         self._check_cache(query, cache)
         return query, key, value
 
