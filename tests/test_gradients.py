@@ -114,3 +114,73 @@ def test_no_grad_runs_any_backend_and_records_nothing(backend, rng):
 @pytest.mark.parametrize("Lq,Lk", [(0, 7), (7, 0)])
 def test_empty_sequences_have_empty_or_zero_gradients_as_the_oracle_says(backend, rng, Lq, Lk):
     check_gradients(backend, leaves(rng, torch.float32, Lq=Lq, Lk=Lk), {}, rng)
+
+
+# ---- what torch's autograd offers around qkv.attention ----------------------------------------
+def _float32_leaves(rng, Lq=9, Lk=9):
+    return leaves(rng, torch.float32, Lq=Lq, Lk=Lk)
+
+
+def _oracle(q, k, v, bias=None):
+    s = q.double() @ k.double().repeat_interleave(q.shape[1] // k.shape[1], 1).transpose(-1, -2) / q.shape[-1] ** 0.5
+    s = s if bias is None else s + bias.double()
+    return torch.softmax(s, -1) @ v.double().repeat_interleave(q.shape[1] // v.shape[1], 1)
+
+
+@pytest.mark.parametrize("backend", GRAD_BACKENDS)
+def test_a_mask_changed_in_place_before_the_backward_is_refused(backend, rng):
+    q, k, v = _float32_leaves(rng)
+    for mask in (torch.randn(2, 1, 9, 9), torch.ones(2, 1, 9, 9, dtype=torch.bool)):
+        out = qkv.attention(q, k, v, mask, backend=backend)
+        mask.mul_(5) if mask.is_floating_point() else mask[..., 1:].fill_(False)  # the backward would read these
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+
+
+@pytest.mark.parametrize("backend", GRAD_BACKENDS)
+def test_second_derivatives_are_refused_not_zero(backend, rng):
+    q, k, v = _float32_leaves(rng)
+    out = qkv.attention(q, k, v, backend=backend)
+    with pytest.raises(RuntimeError, match="backward is not differentiable: second derivatives"):
+        torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="backward is not differentiable"):
+        torch.autograd.functional.hvp(lambda x: qkv.attention(x, k, v, backend=backend).sum(), q.detach(),
+                                      torch.ones_like(q))
+
+
+def test_forward_mode_derivatives_are_right_or_refused(rng):
+    import torch.autograd.forward_ad as fwAD
+
+    q, k, v = (x.detach() for x in _float32_leaves(rng))
+    tangent = torch.from_numpy(rng.standard_normal(q.shape)).float()
+    want = torch.func.jvp(lambda x: _oracle(x, k, v), (q.double(),), (tangent.double(),))[1]
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(q, tangent)
+        got = fwAD.unpack_dual(qkv.attention(dual, k, v)).tangent  # the automatic choice: torch's own operations
+        assert (got.double() - want).abs().max() < 1e-5
+        with pytest.raises(qkv.BackendError, match="no forward-mode derivative"):
+            qkv.attention(dual, k, v, backend="native")
+        with pytest.raises(NotImplementedError, match="qkv.attention has no forward-mode derivative"):
+            qkv.attention(fwAD.make_dual(q.clone().requires_grad_(), tangent), k, v, backend="torch")
+
+
+@pytest.mark.parametrize("backend", GRAD_BACKENDS)
+def test_autocast_leaves_the_computation_in_the_inputs_dtype(backend, rng):
+    q, k, v = _float32_leaves(rng)
+    want = _oracle(q, k, v)
+    with torch.autocast("cpu", torch.bfloat16):
+        out = qkv.attention(q, k, v, backend=backend)
+        weights = qkv.attention_weights(q, k)
+    assert out.dtype == torch.float32 and (out.double() - want).abs().max() < 1e-5  # bfloat16 would be ~1e-2
+    assert (weights.double().sum(-1) - 1).abs().max() < 1e-6
+    out.sum().backward()
+    assert q.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("transform", ["vmap", "grad"])
+def test_function_transforms_are_refused_by_name(transform, rng):
+    q, k, v = (x.detach() for x in _float32_leaves(rng))
+    run = (lambda: torch.vmap(lambda x: qkv.attention(x, k, v))(q[None].expand(3, -1, -1, -1, -1))) \
+        if transform == "vmap" else (lambda: torch.func.grad(lambda x: qkv.attention(x, k, v).sum())(q))
+    with pytest.raises(TypeError, match="qkv.attention does not run inside torch.func transforms"):
+        run()

@@ -6,6 +6,7 @@ torch is never imported here unless the caller already holds a torch tensor.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import numpy as np
@@ -22,6 +23,15 @@ def grad_enabled() -> bool:
     torch was never imported, no tensor can want a gradient)."""
     torch = sys.modules.get("torch")
     return torch is not None and torch.is_grad_enabled()
+
+
+def autocast_off(x):
+    """A context in which torch's autocast leaves x's device alone: qkv computes in its inputs'
+    dtype (float32 accumulation for low precision) on every backend, autocast or not."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(x, torch.Tensor) or not torch.is_autocast_enabled(x.device.type):
+        return contextlib.nullcontext()
+    return torch.autocast(x.device.type, enabled=False)
 
 
 def kind_of(x) -> str | None:

@@ -48,7 +48,8 @@ def attention(q, k, v, mask=None, *, score_mod=None, scale=None, dropout_p=0.0, 
         inp.seed = _draw_seed(inp.kind)
     inp.needs_lse = return_lse
     chosen = dispatch.choose(inp, backend).backend
-    out, lse = inp.to_caller(*chosen.forward(inp))
+    with _arrays.autocast_off(inp.q):
+        out, lse = inp.to_caller(*chosen.forward(inp))
     return (out, lse) if return_lse else out
 
 
@@ -75,7 +76,8 @@ def attention_weights(q, k, mask=None, *, score_mod=None, scale=None, rows=None)
     if rows is not None:
         from .stats import weights_of_rows
 
-        return weights_of_rows(inp, rows)
+        with _arrays.autocast_off(inp.q):
+            return weights_of_rows(inp, rows)
     return _formula(inp)[2].reshape(inp.output_shape(inp.Lk))
 
 
@@ -83,7 +85,8 @@ def _formula(inp):
     """(out, lse, weights) by the plain formula, in the compute dtype, cast back to q's dtype."""
     cdt = compute_dtype_name(inp.dtype)
     q, k, v = (_arrays.astype(x, cdt) for x in (inp.q, inp.k, inp.v))
-    out, lse, weights = reference.formula(inp, q, k, v)
+    with _arrays.autocast_off(q):
+        out, lse, weights = reference.formula(inp, q, k, v)
     return _arrays.astype(out, inp.dtype), lse, _arrays.astype(weights, inp.dtype)
 
 

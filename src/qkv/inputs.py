@@ -239,6 +239,11 @@ class AttentionInputs:
     def lse_shape(self) -> tuple:
         return self.batch_shape + self.head_shape + (self.Lq,)
 
+    def held_tensors(self) -> tuple:
+        """The torch tensors of the mask and score modifiers, which a backward reads again."""
+        rules = ([self.mask] if self.mask is not None else []) + list(self.score_mods)
+        return tuple(a for rule in rules for a in masks.held_arrays(rule) if _arrays.is_torch(a))
+
     def to_caller(self, out, lse):
         """A backend's (out, lse), (B, Hq, Lq, Dv) and (B, Hq, Lq) or None, in the caller's shapes."""
         if len(self.batch_shape) == 1 and self.head_shape:  # 4-D in: the shapes already are the caller's
@@ -401,6 +406,8 @@ def _to4d(x):
 def prepare(q, k, v, mask=None, *, score_mod=None, scale=None, dropout_p=0.0, seed=None) -> AttentionInputs:
     """Validate one attention call and normalise it (see AttentionInputs)."""
     kind = check_qkv(q, k, v)
+    if kind == "torch":
+        _refuse_function_transforms(q, k, v)
     dtype = dtype_name(q)
     scale = check_scale(scale, q.shape[-1])
     dropout_p, seed = check_dropout(dropout_p, seed)
@@ -419,6 +426,19 @@ def prepare(q, k, v, mask=None, *, score_mod=None, scale=None, dropout_p=0.0, se
     for m in mods:
         m.check(inp.geom)
     return inp
+
+
+def _refuse_function_transforms(*tensors):
+    """torch.func's vmap and grad hand over wrapped tensors without storage, which the kernels
+    cannot read (and the tiled torch code updates in place, which vmap forbids)."""
+    torch = sys.modules["torch"]
+    if torch.compiler.is_compiling():  # traced by torch.compile: real tensors come at run time
+        return
+    functorch = torch._C._functorch
+    if any(functorch.is_batchedtensor(x) or functorch.is_gradtrackingtensor(x) for x in tensors):
+        raise TypeError("qkv.attention does not run inside torch.func transforms (vmap, grad, jacrev, "
+                        "vjp): call it on plain tensors, looping over the batch for vmap, or use "
+                        "torch.autograd.grad for gradients")
 
 
 def refuse_trainable_rules(inp: AttentionInputs):

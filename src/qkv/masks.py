@@ -547,6 +547,15 @@ class DenseMask(_DenseArray, Mask):
         return f"dense_mask(shape={tuple(self.array.shape)})"
 
 
+def held_arrays(rule) -> list:
+    """The arrays a mask or score modifier reads when evaluated (dense masks and biases, inside
+    any combination); the other rules copy their parameters when made."""
+    if isinstance(rule, _DenseArray):
+        return [rule.array]
+    inside = list(getattr(rule, "parts", ())) + ([rule.inner] if isinstance(rule, (Not, _LaterRows)) else [])
+    return [array for part in inside for array in held_arrays(part)]
+
+
 def _dense_lookup(arr4, b, h, qi, ki):
     """arr4 (B|1, H|1, Lq|1, Lk|1) gathered at broadcast indices; size-1 dims broadcast."""
     arr4 = _arrays.like(arr4, b)

@@ -89,7 +89,7 @@ def attention_stats(q, k, mask=None, topk=0, *, score_mod=None, scale=None) -> A
     topk = inputs.check_nonnegative_int("topk", topk)
     if topk > inp.Lk:
         raise ValueError(f"topk ({topk}) must be at most the number of keys Lk ({inp.Lk})")
-    with _no_grad(inp.kind):
+    with _no_grad(inp.kind), _arrays.autocast_off(inp.q):
         lse = _row_lse(q, k, mask, score_mod, inp)  # (B, Hq, Lq)
         stats = _Streamer(inp, lse, topk).run()  # on (B, Hq, ...)
     return _caller_shapes(stats, inp)

@@ -95,16 +95,23 @@ class Backend:
         return f"<qkv backend {self.name}>"
 
 
-def autograd_attention(forward, backward, q, k, v, state):
+def autograd_attention(forward, backward, q, k, v, state, held=()):
     """(out, lse) = forward(state, q, k, v) under torch autograd, with the gradients from
     backward(state, q, k, v, out, lse, dout, dlse) -> (dq, dk, dv). dlse may be None.
 
+    held: the mask and bias tensors the backward reads again. They are saved with q, k and v,
+    so a backward after any of them changed in place is refused, as torch refuses it.
     One torch.autograd.Function serves every tiled implementation (torch, native, the ring).
     """
-    return _attention_function().apply(q, k, v, (forward, backward, state))
+    return _attention_function().apply(q, k, v, (forward, backward, state), *held)
 
 
 _function = None
+
+#: What the backward says when asked for second derivatives (it is not itself differentiable).
+ONCE_DIFFERENTIABLE = ("qkv.attention's backward is not differentiable: second derivatives (create_graph=True, "
+                       "hessians, hvp) are not supported; differentiate qkv.attention_weights(q, k, ...) @ v, "
+                       "which records the plain formula")
 
 
 def _attention_function():
@@ -115,21 +122,30 @@ def _attention_function():
 
     class Attention(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, q, k, v, job):
+        def forward(ctx, q, k, v, job, *held):
             run_forward, _, state = job
             out, lse = run_forward(state, q, k, v)
-            ctx.save_for_backward(q, k, v, out, lse)
-            ctx.job = job
+            ctx.save_for_backward(q, k, v, out, lse, *held)  # held: checked for in-place changes only
+            ctx.job, ctx.held = job, len(held)
             ctx.set_materialize_grads(False)
             return out, lse
 
         @staticmethod
-        @torch.autograd.function.once_differentiable
         def backward(ctx, dout, dlse):
-            q, k, v, out, lse = ctx.saved_tensors
+            if torch.is_grad_enabled():  # the engine enables grad in a backward only for create_graph=True
+                raise RuntimeError(ONCE_DIFFERENTIABLE)
+            q, k, v, out, lse = ctx.saved_tensors[:5]
             _, run_backward, state = ctx.job
             dout = torch.zeros_like(out) if dout is None else dout
-            return (*run_backward(state, q, k, v, out, lse, dout, dlse), None)
+            with _arrays.autocast_off(q):
+                grads = run_backward(state, q, k, v, out, lse, dout, dlse)
+            return (*grads, None) + (None,) * ctx.held
+
+        @staticmethod
+        def jvp(ctx, *tangents):
+            raise NotImplementedError("qkv.attention has no forward-mode derivative on this backend "
+                                      "(torch.autograd.forward_ad, torch.func.jvp); backend='torch' without "
+                                      "requires_grad inputs computes it with torch's own operations")
 
     _function = Attention
     return _function

@@ -95,6 +95,8 @@ class NativeBackend(Backend):
         reasons = inline_score_mod_reasons(inp, (Alibi, Bias, Softcap), "the native kernel")
         if inp.kind == "numpy" and any(s % x.itemsize for x in (inp.q, inp.k, inp.v) for s in x.strides):
             reasons.append("strides that are not whole elements (a field of a structured array)")
+        if inp.kind == "torch" and _has_tangents(inp.q, inp.k, inp.v):
+            reasons.append("no forward-mode derivative (these inputs carry tangents)")
         return reasons
 
     def on_amx(self, inp):
@@ -110,7 +112,8 @@ class NativeBackend(Backend):
 
     def forward(self, inp):
         if inp.needs_grad:
-            return autograd_attention(self.run_forward, self.run_backward, inp.q, inp.k, inp.v, inp)
+            return autograd_attention(self.run_forward, self.run_backward, inp.q, inp.k, inp.v, inp,
+                                      inp.held_tensors())
         return self.run_forward(inp, inp.q, inp.k, inp.v, with_lse=inp.needs_lse)
 
     def run_forward(self, inp, q, k, v, with_lse=True):
@@ -157,6 +160,12 @@ class NativeBackend(Backend):
         up = lambda n: -(-n // 32) * 32  # noqa: E731 (the kernel pads to 32)
         values, keys = (up(inp.Dv), 0) if inp.dtype == "bfloat16" else (3 * up(inp.Dv), 3 * up(inp.D))
         return 2 * inp.B * inp.Hkv * up(inp.Lk) * (values + keys)
+
+
+def _has_tangents(*tensors) -> bool:
+    """Whether forward-mode AD (torch.autograd.forward_ad) gave any of the tensors a tangent."""
+    forward_ad = sys.modules["torch"].autograd.forward_ad
+    return forward_ad._current_level >= 0 and any(forward_ad.unpack_dual(x).tangent is not None for x in tensors)
 
 
 def _few_queries(inp) -> bool:

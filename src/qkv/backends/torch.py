@@ -218,7 +218,7 @@ class TorchBackend(Backend):
 
     def forward(self, inp):
         if inp.needs_grad:
-            return autograd_attention(forward_tiled, backward_tiled, inp.q, inp.k, inp.v, inp)
+            return autograd_attention(forward_tiled, backward_tiled, inp.q, inp.k, inp.v, inp, inp.held_tensors())
         return forward_tiled(inp, inp.q, inp.k, inp.v)
 
     def workspace_bytes(self, inp):
