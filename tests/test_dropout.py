@@ -4,6 +4,8 @@ import pytest
 
 import qkv
 from helpers import convert, to64
+from qkv.backends.base import dropout_keep
+from qkv.masks import tile_indices
 
 torch = pytest.importorskip("torch")
 
@@ -62,3 +64,12 @@ def test_dropout_is_unbiased_on_average():
     q, k, v = (torch.tensor(rng.standard_normal((1, 2, 8, 4))) for _ in range(3))
     mean = sum(qkv.attention(q, k, v, dropout_p=0.5, seed=s) for s in range(2000)) / 2000
     np.testing.assert_allclose(mean.numpy(), qkv.attention(q, k, v).numpy(), atol=0.06)
+
+
+def test_the_keep_mask_compiles_for_any_seed():
+    """torch.compile (inductor) traces the seed as a symbol; its C++ code once shifted the
+    seed's words as floats and did not build. Once compiled, every seed keeps the same entries."""
+    b, h, qi, ki = tile_indices(torch.zeros(0), [0], [0, 1], 0, 8, 0, 8)
+    keep = torch.compile(lambda qi, seed: dropout_keep(seed, 0.5, 2, b, h, qi, ki), dynamic=True)
+    for seed in (1, 2**40 + 5):  # one word, then two
+        assert torch.equal(keep(qi, seed), dropout_keep(seed, 0.5, 2, b, h, qi, ki)), seed
