@@ -278,7 +278,7 @@ def test_world_of_two_processes_and_ranks_that_disagree(tmp_path):
     assert all("disagree" in r[1]["error"] and "Lq/P per rank [24, 22]" in r[1]["error"] for r in results)
     assert "must be divisible by 2" in results[1][2]["error"]
     assert "rank(s) [1] of the group rejected" in results[0][2]["error"]
-    assert all("needs grad per rank [1, 0]" in r[3]["error"] for r in results)
+    assert all("needs grad per rank [True, False]" in r[3]["error"] for r in results)
     check_case(after, gathered(results, 4, after))
 
 
@@ -354,6 +354,15 @@ def test_zigzag_deals_front_and_mirror_chunks():
     assert qd.positions(0, 2, 8, "zigzag").tolist() == [0, 1, 6, 7]
     assert qd.positions(1, 2, 8, "zigzag").tolist() == [2, 3, 4, 5]
     assert qd.positions(1, 2, 8, "contiguous").tolist() == [4, 5, 6, 7]
+
+
+def test_disagreements_are_shown_as_values():
+    """What _agree compares as integers reads back as the arguments the ranks passed."""
+    shown = {name: qd._META_VALUES[name] for name in ("dtype", "layout", "scale", "needs grad", "causal alignment")}
+    assert shown["dtype"](qkv.inputs.FLOAT_DTYPES.index("bfloat16")) == "bfloat16"
+    assert shown["layout"](qd.LAYOUTS.index("zigzag")) == "zigzag"
+    assert shown["scale"](qd._float_bits(0.125)) == 0.125 and shown["needs grad"](1) is True
+    assert [shown["causal alignment"](c) for c in qd._MaskSpec(causal_align="top_left").code()[:1]] == ["top_left"]
 
 
 @pytest.mark.parametrize("call, message", [

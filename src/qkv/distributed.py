@@ -179,6 +179,9 @@ def unshard(shards, layout: str = "contiguous", dim: int = -2):
 # ======================================================================================
 # Masks over the global sequence, planned block by block
 # ======================================================================================
+_ALIGNS = (None, "bottom_right", "top_left")  # _MaskSpec.code's numbers for the causal alignment
+
+
 @dataclass(frozen=True)
 class _MaskSpec:
     """The supported masks, as data: causal alignment and/or global padding lengths."""
@@ -193,7 +196,7 @@ class _MaskSpec:
 
     def code(self) -> list[int]:
         """A few integers that identify the mask (compared across ranks)."""
-        align = {None: 0, "bottom_right": 1, "top_left": 2}[self.causal_align]
+        align = _ALIGNS.index(self.causal_align)
         return [align, _digest(self.kv_lengths), _digest(self.q_lengths)]
 
 
@@ -583,7 +586,11 @@ def _torch_block_grads(call: _Call, b: _Block, saved: _Saved, q_b, k_c, v_c):
 # The public function
 # ======================================================================================
 _META_FIELDS = ("arguments accepted", "batch", "Hq", "Hkv", "Lq/P", "Lk/P", "D", "Dv", "dtype", "layout",
-                "scale (float64 bits)", "needs grad", "causal alignment", "kv_lengths (hash)", "q_lengths (hash)")
+                "scale", "needs grad", "causal alignment", "kv_lengths (hash)", "q_lengths (hash)")
+#: How a field's integers read in a message (the others are shown as they are).
+_META_VALUES = {"dtype": inputs.FLOAT_DTYPES.__getitem__, "layout": LAYOUTS.__getitem__,
+                "scale": lambda bits: struct.unpack("<d", struct.pack("<q", bits))[0],
+                "needs grad": bool, "causal alignment": _ALIGNS.__getitem__}
 
 
 def ring_attention(q, k, v, mask=None, *, scale=None, layout: str = "contiguous", group=None,
@@ -603,7 +610,9 @@ def ring_attention(q, k, v, mask=None, *, scale=None, layout: str = "contiguous"
         layout: "contiguous" or "zigzag" (how `shard` cut the sequence; zigzag balances
             causal work). Local lengths must split into the layout's chunks (zigzag: even).
         group: the process group (default: the whole world). Ranks form the ring in
-            group-rank order.
+            group-rank order. It is what the ranks agree over, so it must be the same valid
+            group on every rank: a rank whose group is not one (or lacks it) raises alone,
+            and the others wait until the group's timeout.
         return_lse: also return this rank's lse (..., Hq, Lq/P).
         stats: a RingStats to fill with bytes sent, blocks computed and skipped.
 
@@ -697,7 +706,8 @@ def _agree(ring: _Ring, call: _Call | None, error, q) -> None:
                          "error says why); every rank must pass valid shards of the same shapes, layout and mask")
     differ = [(name, table[:, i].tolist()) for i, name in enumerate(_META_FIELDS) if (table[:, i] != table[0, i]).any()]
     if differ:
-        detail = "; ".join(f"{name} per rank {values}" for name, values in differ)
+        shown = lambda name, values: [_META_VALUES.get(name, int)(x) for x in values]  # noqa: E731
+        detail = "; ".join(f"{name} per rank {shown(name, values)}" for name, values in differ)
         raise ValueError(f"ring_attention: the ranks of the group disagree ({detail}). Every rank must pass "
                          "shards of the same shapes and dtype, with the same layout, scale and mask")
 
