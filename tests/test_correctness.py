@@ -90,3 +90,27 @@ def test_every_backend_returns_the_inputs_dtype(rng, dtype):
         q = convert(rng.standard_normal((1, 2, 5, 4)), kind, dtype)
         out = qkv.attention(q, q, q, backend=name)
         assert str(out.dtype).replace("torch.", "") == dtype, name
+
+
+def test_concurrent_numpy_calls_leave_blas_as_they_found_it(rng):
+    """The NumPy backend limits BLAS to one thread while it runs (process-wide): calls from
+    several threads at once share that limit, and the last one out restores BLAS's threads."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    import threading
+
+    def blas_threads():
+        return [pool["num_threads"] for pool in threadpoolctl.threadpool_info() if pool["user_api"] == "blas"]
+
+    q = rng.standard_normal((1, 4, 300, 32)).astype(np.float32)
+    want, before, results = qkv.attention(q, q, q, backend="numpy"), blas_threads(), []
+
+    def calls():
+        results.extend(qkv.attention(q, q, q, backend="numpy") for _ in range(10))
+    workers = [threading.Thread(target=calls) for _ in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert blas_threads() == before and len(results) == 40
+    for got in results:  # BLAS may split a product otherwise while other threads call it: a few ulps
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)

@@ -373,6 +373,8 @@ def test_trainable_tensors_in_score_modifiers_are_refused_not_left_without_gradi
     relative = qkv.score_fn(lambda s, b, h, i, j: s + learned[h, i - j + LK])
     with pytest.raises(ValueError, match="score_fn reads tensors that require grad.*attention_weights"):
         qkv.attention(q, TK, TV, score_mod=relative, backend=backend)
+    with pytest.raises(ValueError, match="score_fn reads tensors that require grad"):  # explain raises alike
+        qkv.explain(q, TK, TV, score_mod=relative, backend=backend)
     with pytest.raises(ValueError, match="slopes that require grad are not supported.*detach"):
         qkv.alibi(torch.tensor([0.5, 0.25, 0.125, 0.0625], requires_grad=True))
     with torch.no_grad():  # nothing to differentiate: the rule runs

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 _pool: ThreadPoolExecutor | None = None
@@ -27,15 +28,35 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
+_blas_lock = threading.Lock()
+_blas_users = 0  # calls inside one_blas_thread now, in any thread
+_blas_limiter = None  # their shared limit, undone when the last one leaves
+
+
+@contextlib.contextmanager
 def one_blas_thread():
     """A context in which BLAS runs single-threaded: our threads split the work, BLAS threads
     inside them would only oversubscribe the cores. Needs threadpoolctl (qkv[cpu]); without
-    it BLAS keeps its own threads."""
+    it BLAS keeps its own threads. The limit is process-wide, so calls from several threads
+    share one: the first sets it and the last restores what was there before."""
+    global _blas_users, _blas_limiter
     try:
         from threadpoolctl import threadpool_limits
     except ImportError:
-        return contextlib.nullcontext()
-    return threadpool_limits(limits=1, user_api="blas")
+        yield
+        return
+    with _blas_lock:
+        if _blas_users == 0:
+            _blas_limiter = threadpool_limits(limits=1, user_api="blas")
+        _blas_users += 1
+    try:
+        yield
+    finally:
+        with _blas_lock:
+            _blas_users -= 1
+            if _blas_users == 0:
+                _blas_limiter.restore_original_limits()
+                _blas_limiter = None
 
 
 def parallel_map(fn, items) -> list:

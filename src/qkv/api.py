@@ -144,6 +144,7 @@ def explain(q, k, v, mask=None, *, score_mod=None, scale=None, dropout_p=0.0, se
     """Which backend `attention` would run for these arguments, why the others were refused,
     and the extra memory it will use. Raises like `attention` would."""
     inp = inputs.prepare(q, k, v, mask, score_mod=score_mod, scale=scale, dropout_p=dropout_p, seed=seed)
+    inputs.refuse_trainable_rules(inp)
     choice = dispatch.choose(inp, backend, every_refusal=True)
     mask_text = repr(inp.mask) if inp.dropped_mask is None else \
         f"{inp.dropped_mask!r} (allows every pair at these sizes: not applied)"
