@@ -8,6 +8,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
@@ -51,11 +52,15 @@ Isa detect_isa() {
       __builtin_cpu_supports("amx-bf16") && amx_permitted())
     best = Isa::Amx;
 #endif
-  // QKV_ISA=generic|avx2 forces a lower path (tests); never a higher one than the CPU has.
+  // QKV_ISA=generic|avx2|avx512 (any case, spaces ignored) forces a lower path (tests); never
+  // a higher one than the CPU has. Python warns when the request is not what runs.
   if (const char* force = std::getenv("QKV_ISA")) {
-    if (!std::strcmp(force, "generic")) best = Isa::Generic;
-    else if (!std::strcmp(force, "avx2") && best >= Isa::Avx2) best = Isa::Avx2;
-    else if (!std::strcmp(force, "avx512") && best >= Isa::Avx512) best = Isa::Avx512;
+    std::string want;
+    for (const char* c = force; *c; ++c)
+      if (!std::isspace(static_cast<unsigned char>(*c))) want += char(std::tolower(static_cast<unsigned char>(*c)));
+    if (want == "generic") best = Isa::Generic;
+    else if (want == "avx2" && best >= Isa::Avx2) best = Isa::Avx2;
+    else if (want == "avx512" && best >= Isa::Avx512) best = Isa::Avx512;
   }
   return best;
 }

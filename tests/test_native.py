@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import qkv
 from helpers import assert_within_rule, check_backend, to64
 from qkv import dispatch, inputs
+from qkv._threads import available_cpus
 from qkv.backends.native import default_threads
 
 torch = pytest.importorskip("torch")
@@ -252,6 +253,33 @@ def test_every_instruction_set_variant(isa):
     assert chosen == min(isa, best, key=ISA_ORDER.index)
     assert float(err) < 1e-5  # bfloat16 errors scaled to the float32 tolerance
     assert nan_propagates == "True"
+
+
+@pytest.mark.parametrize("asked, runs, warning", [
+    (" Generic", "generic", None),  # any case, spaces ignored
+    ("garbage", None, "QKV_ISA='garbage' is not one of generic, avx2, avx512; the native kernel runs"),
+])
+def test_an_isa_request_is_read_loosely_and_a_bad_one_is_named(asked, runs, warning):
+    code = "import warnings; warnings.simplefilter('always'); import qkv; from qkv import _native; print(_native.isa())"
+    unforced = {name: value for name, value in os.environ.items() if name != "QKV_ISA"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**unforced, "QKV_ISA": asked})
+    assert done.returncode == 0, done.stderr
+    if runs:
+        assert done.stdout.strip() == runs and "QKV_ISA" not in done.stderr
+    else:
+        assert warning in done.stderr
+
+
+@pytest.mark.parametrize("threads", ["0", "-3", "99999999999"])
+def test_thread_counts_out_of_range_are_named_and_ignored(threads):
+    code = "import warnings; warnings.simplefilter('always'); from qkv import dispatch; " \
+           "print(dispatch.REGISTRY['native'].num_threads)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "QKV_NUM_THREADS": threads})
+    assert done.returncode == 0, done.stderr
+    assert f"QKV_NUM_THREADS='{threads}' is not an integer from 1 to 1024" in done.stderr
+    assert int(done.stdout) == available_cpus()
 
 
 def test_info_says_how_the_kernel_runs(capsys):

@@ -41,6 +41,18 @@ else:
     _import_error = None
     _ON_AMX = _native.isa() == "amx"  # chosen once, when the kernel loads
 
+
+def _warn_unmet_isa_request(asked, chosen: str) -> None:
+    """QKV_ISA names a lower instruction set to run (tests); say so when it is not what runs."""
+    if asked is None or asked.strip().lower() == chosen or not chosen:
+        return
+    known = ("generic", "avx2", "avx512")
+    why = "more than this CPU has" if asked.strip().lower() in known else f"not one of {', '.join(known)}"
+    warnings.warn(f"QKV_ISA={asked!r} is {why}; the native kernel runs {chosen}", RuntimeWarning, stacklevel=2)
+
+
+_warn_unmet_isa_request(os.environ.get("QKV_ISA"), _native.isa() if _native else "")
+
 BLOCK_Q, BLOCK_K = 64, 128
 # Unmasked bfloat16 forwards on AMX tiles: key tiles of 256 halve the loads and stores of the
 # output accumulator per score, and a query tile stacks about 128 queries over the group's
@@ -53,16 +65,23 @@ AMX_QUERIES, AMX_BLOCK_K = 128, 256
 FEW_QUERIES = {"float32": 8, "bfloat16": 32}
 
 
+#: The most threads QKV_NUM_THREADS may ask for.
+MAX_THREADS = 1024
+
+
 def default_threads() -> int:
-    """QKV_NUM_THREADS when set (at least 1), else every CPU this process may run on; a value
-    that is not an integer is ignored with a warning (importing qkv must not fail over it)."""
+    """QKV_NUM_THREADS when set to an integer from 1 to MAX_THREADS, else every CPU this process
+    may run on; another value is ignored with a warning (importing qkv must not fail over it)."""
     env = os.environ.get("QKV_NUM_THREADS", "").strip()
     if env:
         try:
-            return max(1, int(env))
+            asked = int(env)
         except ValueError:
-            warnings.warn(f"QKV_NUM_THREADS={env!r} is not an integer; the native kernel uses "
-                          f"{available_cpus()} threads (every CPU)", RuntimeWarning, stacklevel=2)
+            asked = None
+        if asked is not None and 1 <= asked <= MAX_THREADS:
+            return asked
+        warnings.warn(f"QKV_NUM_THREADS={env!r} is not an integer from 1 to {MAX_THREADS}; the native kernel "
+                      f"uses {available_cpus()} threads (every CPU)", RuntimeWarning, stacklevel=2)
     return available_cpus()
 
 
