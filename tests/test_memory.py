@@ -67,3 +67,25 @@ def test_explain_counts_the_plain_formula_as_the_oracle_holds_it_and_a_masks_bit
     interval = qkv.explain(q, q, q, qkv.causal())
     assert rule.workspace_bytes - plain.workspace_bytes >= 8 * 1024**2  # up to a byte a score, in bitmaps
     assert 0 < interval.workspace_bytes - plain.workspace_bytes < 2**16  # a byte a tile
+
+
+def test_native_is_chosen_only_while_a_masks_bitmaps_stay_within_the_inputs_size():
+    """A mask that is not key intervals costs the native kernel a byte per score of its PARTIAL
+    tiles: exact in explain, and the automatic choice goes elsewhere once that passes O(N)."""
+    import numpy as np
+
+    import qkv
+    from qkv import dispatch
+
+    if dispatch.REGISTRY["native"].missing():
+        pytest.skip(f"the native kernel is not here ({dispatch.REGISTRY['native'].missing()})")
+    L = 16384
+    q = np.zeros((1, 1, L, 64), np.float32)
+    ids = np.repeat(np.arange(4), L // 4)[None]  # packed documents: partial tiles only where they meet
+    packed = qkv.explain(q, q, q, qkv.document(ids))
+    assert packed.backend == "native" and packed.workspace_bytes < 8 * 2**20
+    every_tile = qkv.explain(q, q, q, qkv.mask_fn(lambda b, h, i, j: (i - j) % 2 == 0))
+    assert every_tile.backend != "native"
+    assert "a byte per score of its partial tiles, 256 MiB, more than the inputs" in every_tile.refused["native"][0]
+    assert qkv.explain(q[..., :512, :], q[..., :512, :], q[..., :512, :],  # small: a quarter MiB, still native
+                       qkv.mask_fn(lambda b, h, i, j: (i - j) % 2 == 0)).backend == "native"

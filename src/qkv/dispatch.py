@@ -58,7 +58,7 @@ def choose(inp, backend: str | None = None, *, every_refusal: bool = False) -> C
     chosen, refused = None, {}
     for name, candidate in REGISTRY.items():
         reasons = candidate.unsupported(inp)
-        refusal = candidate.automatic_refusal(inp)
+        refusal = None if reasons else candidate.automatic_refusal(inp)  # may cost work: only if it could run
         if refusal:
             reasons = reasons + [refusal]
         if reasons:

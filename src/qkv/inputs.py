@@ -215,6 +215,7 @@ class AttentionInputs:
     needs_lse: bool = True  # False: the caller drops lse, so a backend may return None for it
     dropped_mask: object = None  # a mask given but not applied: it forbids nothing at these sizes
     _geom: object = field(default=None, init=False, repr=False)
+    tile_classes: dict = field(default_factory=dict, init=False, repr=False)  # (block_q, block_k) -> classes
 
     def __post_init__(self):
         # The sizes, read once: a torch tensor's .shape costs about 0.3 µs a read, and the

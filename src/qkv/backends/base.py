@@ -205,6 +205,13 @@ def row_tile_classes(inp, block_q: int, block_k: int):
     """
     if inp.mask is None:
         return None
+    known = inp.tile_classes.get((block_q, block_k))  # dispatch may have needed them already
+    if known is None:
+        known = inp.tile_classes[block_q, block_k] = _row_tile_classes(inp, block_q, block_k)
+    return known
+
+
+def _row_tile_classes(inp, block_q: int, block_k: int):
     blocks = inp.mask.blocks(inp.Lq, inp.Lk, block_q, block_k, batch=inp.geom.batch_shape, heads=inp.Hq)
     nq, nk = blocks.shape[-2:]
     per_head = np.broadcast_to(blocks, (inp.B, inp.Hq, nq, nk)).reshape(inp.B, inp.Hkv, inp.group, nq, nk)

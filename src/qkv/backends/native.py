@@ -162,15 +162,31 @@ class NativeBackend(Backend):
         return tile_workspace(threads, *self.block_sizes(inp), inp.group, inp.D, inp.Dv, "float32") \
             + 4 * inp.B * inp.Hq * inp.Lq + self._packed_bytes(inp) + self._mask_bytes(inp)
 
+    def automatic_refusal(self, inp):
+        # A mask that is not key intervals reaches the kernel as a byte per score of its PARTIAL
+        # tiles: few for packed documents, every score for a rule that cuts through every tile.
+        # Past the size of the inputs and output that is no longer O(N) memory.
+        bitmaps, arrays = self._bitmap_bytes(inp), inp.B * (inp.Hq * inp.Lq * (inp.D + inp.Dv)
+                                                             + inp.Hkv * inp.Lk * (inp.D + inp.Dv)) * 4
+        if bitmaps > max(arrays, 64 * 2**20):
+            return (f"this mask needs a byte per score of its partial tiles, {bitmaps / 2**20:.0f} MiB, "
+                    "more than the inputs (not O(N) memory; backend='native' runs it anyway)")
+        return None
+
     def _mask_bytes(self, inp):
-        """What a mask hands the kernel: a class per tile and, for masks that are not key
-        intervals, a bitmap of every PARTIAL tile (at most one byte per score: all of them)."""
+        """What a mask hands the kernel: a class per tile and the bitmaps of _bitmap_bytes."""
         if inp.mask is None:
             return 0
         block_q, block_k = self.block_sizes(inp)
-        classes = inp.B * inp.Hkv * cdiv(inp.Lq, block_q) * cdiv(inp.Lk, block_k)
-        bitmaps = 0 if isinstance(inp.mask, IntervalMask) else inp.B * inp.Hq * inp.Lq * inp.Lk
-        return classes + bitmaps
+        return inp.B * inp.Hkv * cdiv(inp.Lq, block_q) * cdiv(inp.Lk, block_k) + self._bitmap_bytes(inp)
+
+    def _bitmap_bytes(self, inp):
+        """For masks that are not key intervals: a byte per score of every PARTIAL tile."""
+        if inp.mask is None or isinstance(inp.mask, IntervalMask):
+            return 0
+        blocks = self.block_sizes(inp)
+        partial = int((row_tile_classes(inp, *blocks) == PARTIAL).sum())  # (row, query tile, key tile)s
+        return partial * inp.group * blocks[0] * blocks[1]
 
     def _packed_bytes(self, inp):
         """The AMX path's bfloat16 copies of V and, for float32, of K, each in 3 parts."""
