@@ -339,31 +339,28 @@ MASK_ERRORS = [
 ]
 
 
-@pytest.mark.parametrize("kind, backend", BACKEND_RUNS, ids=lambda x: str(x))
-@pytest.mark.parametrize("make_mask, error, pattern", MASK_ERRORS)
-def test_mask_errors_on_every_backend(make_mask, error, pattern, kind, backend):
-    q, k, v = (Q, K, V) if kind == "numpy" else (TQ, TK, TV)
-    with pytest.raises(error, match=pattern):
-        qkv.attention(q, k, v, make_mask(), backend=backend)
-
-
 SCORE_FN_ERRORS = [
-    pytest.param(lambda s, b, h, i, j: i - j, TypeError,
-                 r"score_fn: the rule must return an array of floating scores, got dtype (torch\.)?int64", id="int"),
-    pytest.param(lambda s, b, h, i, j: s > 0, TypeError, r"score_fn: .*floating scores, got dtype (torch\.)?bool",
-                 id="bool"),
-    pytest.param(lambda s, b, h, i, j: 0.5, TypeError, r"score_fn: .*floating scores, got float", id="python-float"),
-    pytest.param(lambda s, b, h, i, j: s[..., :1, :2], ValueError,
-                 r"score_fn: the rule returned shape \(.*1, 2\), which does not broadcast to \(.*\)", id="shape"),
+    pytest.param(lambda: qkv.score_fn(lambda s, b, h, i, j: i - j), TypeError,
+                 r"score_fn: the rule must return an array of floating scores, got dtype (torch\.)?int64",
+                 id="score-fn-int"),
+    pytest.param(lambda: qkv.score_fn(lambda s, b, h, i, j: s > 0), TypeError,
+                 r"score_fn: .*floating scores, got dtype (torch\.)?bool", id="score-fn-bool"),
+    pytest.param(lambda: qkv.score_fn(lambda s, b, h, i, j: 0.5), TypeError,
+                 r"score_fn: .*floating scores, got float", id="score-fn-python-float"),
+    pytest.param(lambda: qkv.score_fn(lambda s, b, h, i, j: s[..., :1, :2]), ValueError,
+                 r"score_fn: the rule returned shape \(.*1, 2\), which does not broadcast to \(.*\)",
+                 id="score-fn-shape"),
 ]
 
 
 @pytest.mark.parametrize("kind, backend", BACKEND_RUNS, ids=lambda x: str(x))
-@pytest.mark.parametrize("rule, error, pattern", SCORE_FN_ERRORS)
-def test_score_fn_errors_on_every_backend(rule, error, pattern, kind, backend):
+@pytest.mark.parametrize("make_rule, error, pattern", MASK_ERRORS + SCORE_FN_ERRORS)
+def test_mask_and_score_rule_errors_on_every_backend(make_rule, error, pattern, kind, backend):
     q, k, v = (Q, K, V) if kind == "numpy" else (TQ, TK, TV)
+    rule = make_rule()
+    rule_argument = {"score_mod": rule} if isinstance(rule, qkv.ScoreMod) else {"mask": rule}
     with pytest.raises(error, match=pattern):
-        qkv.attention(q, k, v, score_mod=qkv.score_fn(rule), backend=backend)
+        qkv.attention(q, k, v, backend=backend, **rule_argument)
 
 
 @pytest.mark.parametrize("backend", ["torch", "native", None])
