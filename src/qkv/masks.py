@@ -98,6 +98,9 @@ class Mask:
         [offset, offset + Lq) of the whole pass, evaluated at its sizes (offset + Lq queries)."""
         if offset == 0 or self._same_in_later_rows():
             return self
+        return self._later_rows(offset)
+
+    def _later_rows(self, offset: int) -> "Mask":
         return _LaterRows(self, offset)
 
     def _same_in_later_rows(self) -> bool:
@@ -244,10 +247,8 @@ class IntervalMask(Mask):
             return IntervalIntersection(self, other)
         return super().__and__(other)
 
-    def from_query(self, offset):
-        if offset == 0 or self._same_in_later_rows():
-            return self
-        return _LaterIntervalRows(self, offset)
+    def _later_rows(self, offset):
+        return _LaterIntervalRows(self, offset)  # still key intervals: the kernels take it inline
 
     def _classify(self, geom, block_q, block_k):
         """Tile classes from the rows' key intervals in O(B·Lq + B·nq·nk) memory: a tile is FULL
@@ -401,14 +402,14 @@ class _Intersection:
     def allows_every_pair(self, geom):
         return all(p.allows_every_pair(geom) for p in self.parts)
 
+    def from_query(self, offset):
+        return type(self)(*(p.from_query(offset) for p in self.parts))
+
     def __repr__(self):
         return f"({self.parts[0]!r} & {self.parts[1]!r})"
 
 
 class IntervalIntersection(_Intersection, IntervalMask):
-    def from_query(self, offset):
-        return type(self)(*(p.from_query(offset) for p in self.parts))
-
     def interval(self, b, qi, geom):
         (lo1, hi1), (lo2, hi2) = (p.interval(b, qi, geom) for p in self.parts)
         xp = _arrays.namespace(qi)
@@ -437,7 +438,7 @@ class _LaterRows(Mask):
 
 
 class _LaterIntervalRows(_LaterRows, IntervalMask):
-    """The same for a key-interval mask, which stays one (the kernels take it inline)."""
+    """The same for a key-interval mask, which stays one."""
 
     allowed = IntervalMask.allowed
 
@@ -570,9 +571,6 @@ class And(_Intersection, Mask):
 
     def allowed(self, b, h, qi, ki, geom):
         return self.parts[0].allowed(b, h, qi, ki, geom) & self.parts[1].allowed(b, h, qi, ki, geom)
-
-    def from_query(self, offset):  # Or too
-        return type(self)(*(p.from_query(offset) for p in self.parts))
 
     def _classify(self, geom, block_q, block_k):
         x, y = (p._classify(geom, block_q, block_k) for p in self.parts)
