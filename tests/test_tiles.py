@@ -67,3 +67,20 @@ def test_kernels_skip_empty_and_never_mask_full(backend, rng, name):
     assert counter.masked == (~empty & ~full).sum()
     if name in ("causal", "sliding", "document"):
         assert empty.any(), "the test should exercise skipping"
+
+
+def test_classifying_the_tiles_of_a_rule_holds_a_bounded_band():
+    """A rule's tiles are settled by evaluating it a few key tiles at a time: the temporaries
+    stay a few MiB however long the keys run (a whole band of 16384 keys took 68 MiB)."""
+    import tracemalloc
+
+    L = 16384
+    rule = qkv.mask_fn(lambda b, h, i, j: (i - j) % 2 == 0)  # every tile PARTIAL: every one evaluated
+    tracemalloc.start()
+    try:
+        classes = rule.blocks(L, L, 256, 1024)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert (classes == qkv.PARTIAL).all() and classes.shape == (1, 1, L // 256, L // 1024)
+    assert peak < 32 * 2**20, f"{peak / 2**20:.1f} MiB"

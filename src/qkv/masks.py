@@ -196,27 +196,38 @@ def _as_mask(other, op: str) -> Mask:
     return other
 
 
+#: Scores a rule is evaluated for at once when tiles are classified: a few MiB of temporaries,
+#: whatever the length (a whole band of a long sequence's keys took hundreds).
+_EVALUATED_AT_ONCE = 2**20
+
+
 def _settle_by_evaluation(mask: Mask, classes, geom: Geometry, block_q: int, block_k: int):
-    """Replace _MAYBE tiles by their exact class, evaluating the rule one query band at a time."""
+    """Replace _MAYBE tiles by their exact class, evaluating the rule one query band at a time,
+    over as many key tiles at once as _EVALUATED_AT_ONCE allows."""
     nq, nk = classes.shape[-2:]
     heads = 1 if mask.head_independent else geom.heads
     classes = np.broadcast_to(classes, (geom.batch, heads, nq, nk)).copy()
     probe = np.zeros(0)
-    k_pad = nk * block_k
-    valid_k = (np.arange(k_pad) < geom.Lk).reshape(1, 1, 1, nk, block_k)
+    valid_k = (np.arange(nk * block_k) < geom.Lk).reshape(1, 1, 1, nk, block_k)
     for t in range(nq):
-        if not (classes[..., t, :] == _MAYBE).any():
-            continue
+        maybe = (classes[:, :, t, :] == _MAYBE).any(axis=(0, 1))  # (nk,)
         q0, q1 = t * block_q, min((t + 1) * block_q, geom.Lq)
-        b, h, qi, ki = tile_indices(probe, np.arange(geom.batch), np.arange(heads), q0, q1, 0, k_pad)
-        band = np.broadcast_to(mask.allowed(b, h, qi, np.minimum(ki, geom.Lk - 1), geom),
-                               (geom.batch, heads, q1 - q0, k_pad))
-        band = band.reshape(geom.batch, heads, q1 - q0, nk, block_k)
-        any_ = (band & valid_k).any(axis=(2, 4))
-        all_ = (band | ~valid_k).all(axis=(2, 4))
-        exact = np.where(all_, FULL, np.where(any_, PARTIAL, EMPTY)).astype(np.int8)
-        row = classes[:, :, t, :]
-        classes[:, :, t, :] = np.where(row == _MAYBE, exact, row)
+        step = max(1, _EVALUATED_AT_ONCE // (geom.batch * heads * (q1 - q0) * block_k))  # key tiles at once
+        for j0 in range(0, nk, step):
+            j1 = min(j0 + step, nk)
+            if not maybe[j0:j1].any():
+                continue
+            b, h, qi, ki = tile_indices(probe, np.arange(geom.batch), np.arange(heads), q0, q1,
+                                        j0 * block_k, j1 * block_k)
+            band = np.broadcast_to(mask.allowed(b, h, qi, np.minimum(ki, geom.Lk - 1), geom),
+                                   (geom.batch, heads, q1 - q0, (j1 - j0) * block_k))
+            band = band.reshape(geom.batch, heads, q1 - q0, j1 - j0, block_k)
+            valid = valid_k[..., j0:j1, :]
+            any_ = (band & valid).any(axis=(2, 4))
+            all_ = (band | ~valid).all(axis=(2, 4))
+            exact = np.where(all_, FULL, np.where(any_, PARTIAL, EMPTY)).astype(np.int8)
+            tiles = classes[:, :, t, j0:j1]
+            classes[:, :, t, j0:j1] = np.where(tiles == _MAYBE, exact, tiles)
     return _squeeze_unused(classes)
 
 
