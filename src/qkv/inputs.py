@@ -117,6 +117,14 @@ def check_size(name, arr, expected, what):
         raise ValueError(f"{name} must have {what} ({expected}) entries, got {arr.shape[0]}")
 
 
+def broadcasts_to(shape, target) -> bool:
+    """Whether an array of `shape` broadcasts to exactly `target` (tuples)."""
+    try:
+        return np.broadcast_shapes(shape, target) == target
+    except ValueError:
+        return False
+
+
 def check_rule_result(name, result, *indices):
     """A rule's answer at broadcast index arrays: boolean, of a shape that broadcasts to theirs
     (returned as an array of their kind)."""
@@ -124,11 +132,7 @@ def check_rule_result(name, result, *indices):
         got = type(result).__name__ if _arrays.kind_of(result) is None else f"dtype {result.dtype}"
         raise TypeError(f"{name}: the rule must return a boolean array, got {got}")
     expected = np.broadcast_shapes(*(tuple(i.shape) for i in indices))
-    try:
-        fits = np.broadcast_shapes(tuple(result.shape), expected) == expected
-    except ValueError:
-        fits = False
-    if not fits:
+    if not broadcasts_to(tuple(result.shape), expected):
         raise ValueError(f"{name}: the rule returned shape {tuple(result.shape)}, which does not broadcast to "
                          f"{expected}, the shape of its (b, h, qi, ki) arguments broadcast together")
     return _arrays.like(result, indices[0])  # a NumPy answer for torch indices, or the other way round
@@ -141,11 +145,7 @@ def check_score_result(name, result, scores):
     if kind is None or dtype_name(result) not in FLOAT_DTYPES:
         got = type(result).__name__ if kind is None else f"dtype {result.dtype}"
         raise TypeError(f"{name}: the rule must return an array of floating scores, got {got}")
-    try:
-        fits = np.broadcast_shapes(tuple(result.shape), tuple(scores.shape)) == tuple(scores.shape)
-    except ValueError:
-        fits = False
-    if not fits:
+    if not broadcasts_to(tuple(result.shape), tuple(scores.shape)):
         raise ValueError(f"{name}: the rule returned shape {tuple(result.shape)}, which does not broadcast to "
                          f"{tuple(scores.shape)}, the shape of the scores it was given")
     result = _arrays.cast_like(_arrays.like(result, scores), scores)

@@ -269,11 +269,12 @@ def _mix32(x):
 def dropout_keep(seed: int, dropout_p: float, heads: int, b, h, qi, ki):
     """Boolean keep mask for broadcast indices (b, h, qi, ki): True with probability 1 - p."""
     low, high = seed & _M32, seed >> 32  # a seed below 2**64: both words count
-    if _arrays.is_torch(qi):  # int64 tensors: torch.compile may trace the seed as a symbol,
-        low = qi.new_full((), low)  # and its C++ code then shifted the symbol's words as floats
-    x = _mix32(_mix32(b * heads + h) ^ low)
+    # with torch, the words as int64 tensors: torch.compile may trace the seed as a symbol, and
+    # its C++ code then shifted the symbol's words as floats
+    word = (lambda w: qi.new_full((), w)) if _arrays.is_torch(qi) else (lambda w: w)  # noqa: E731
+    x = _mix32(_mix32(b * heads + h) ^ word(low))
     if high:  # seeds below 2**32 skip this round, so their masks are what they always were
-        x = _mix32(x ^ (qi.new_full((), high) if _arrays.is_torch(qi) else high))
+        x = _mix32(x ^ word(high))
     x = _mix32(x ^ qi)
     x = _mix32((x + ki * 0x9E3779B1) & _M32)
     threshold = int(round((1.0 - dropout_p) * (1 << 24)))
