@@ -457,8 +457,9 @@ def run(args) -> int:
         if r.error:
             console.print(f"[dim]{r.workload} / {r.impl}: did not run ({r.error})[/dim]")
     for w in workloads:
-        if _without_dtype(w):
-            console.print(f"[dim]{w.name}: {', '.join(_without_dtype(w))} left out (no {w.dtype})[/dim]")
+        left_out = _without_dtype(w)
+        if left_out:
+            console.print(f"[dim]{w.name}: {', '.join(left_out)} left out (no {w.dtype})[/dim]")
     nothing_ran = sorted({r.workload for r in results} - {r.workload for r in results if not r.error})
     if bandwidth:
         console.print(f"measured memory read bandwidth: {bandwidth:.1f} GB/s (torch sum over 1 GiB on {args.device})")
