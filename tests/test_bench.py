@@ -24,6 +24,20 @@ def test_a_small_run_reports_every_implementation_with_ratios(tmp_path, capsys):
     assert "qkv bench" in capsys.readouterr().out
 
 
+def test_decoding_is_measured_against_a_plain_read_in_the_same_rounds(tmp_path):
+    out = tmp_path / "bench.json"
+    assert cli.main(["bench", "--shape", "1,4,2,1,1024,16", "--repeats", "2", "--no-peers", "--json", str(out)]) == 0
+    rows = {r["impl"]: r for r in json.loads(out.read_text())["results"]}
+    read = rows.pop(bench.MEMORY_READ)
+    kv_bytes = 2 * 2 * 1024 * 16 * 4
+    assert read["unit"] == "GB/s" and read["rate"] == pytest.approx(kv_bytes / read["seconds"] / 1e9)
+    assert read["ratio_to_torch"] is None and read["share_of_read"] == pytest.approx(1.0)
+    assert {"qkv native", "torch sdpa"} <= set(rows)
+    for row in rows.values():
+        assert row["unit"] == "GB/s" and row["rate"] == pytest.approx(kv_bytes / row["seconds"] / 1e9)
+        assert row["share_of_read"] == pytest.approx(row["rate"] / read["rate"])
+
+
 def test_shape_workloads_are_named_by_what_they_run(tmp_path):
     out = tmp_path / "bench.json"
     assert cli.main(["bench", "--shape", "1,2,64,16", "--causal", "--backward", "--repeats", "1", "--no-peers",

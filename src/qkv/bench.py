@@ -4,8 +4,10 @@ Each workload runs every implementation on the same inputs, interleaved (round-r
 drifting clocks and background load hit all of them alike), and reports the median time
 as GFLOP/s (4·B·H·Lq·Lk·D for the forward; when causal, top-left aligned in every
 implementation, the share of pairs it allows, half for Lq = Lk; 2.5x for the backward)
-or, for decoding, as GB/s of K/V read; the ratio to torch's own
-`scaled_dot_product_attention`; and the peak memory a call added (resident set, Linux).
+or, for decoding, as GB/s of K/V read, beside a plain read of as many bytes (torch's sum)
+timed in the same rounds, so the share of the memory's bandwidth compares like with like;
+the ratio to torch's own `scaled_dot_product_attention`; and the peak memory a call added
+(resident set, Linux).
 """
 from __future__ import annotations
 
@@ -72,6 +74,7 @@ class Result:
     rate: float | None  # GFLOP/s, or GB/s for decoding
     unit: str
     ratio_to_torch: float | None = None
+    share_of_read: float | None = None  # decoding: rate / the plain read's rate in the same rounds
     peak_mib: float | None = None
     error: str | None = None
     extra: dict = field(default_factory=dict)
@@ -117,6 +120,8 @@ def implementations(w: Workload, peers: bool = True) -> dict:
                 continue  # the NumPy backend has no autograd; skip the slow giant runs
             impls[f"qkv {name}"] = _qkv_impl(w, name)
     impls["torch sdpa"] = _torch_sdpa_impl(w)
+    if w.decoding:
+        impls[MEMORY_READ] = _memory_read_impl(w)
     if peers and not w.decoding and importlib.util.find_spec("torch.nn.attention.flex_attention"):
         impls["torch flex (compiled)"] = _flex_impl(w)
     return impls
@@ -184,6 +189,22 @@ def _torch_sdpa_impl(w, kernel: str | None = None):
                 return run()
         call = run_pinned if kernel else run
         return _with_backward(call, (q, k, v)) if w.backward else call
+    return setup
+
+
+#: The decoding workloads' yardstick: a read of as many bytes as K and V hold.
+MEMORY_READ = "memory read (torch sum)"
+
+
+def _memory_read_impl(w):
+    """torch's sum over a float32 tensor of K and V's size (threaded on a CPU): what the memory
+    gives a plain read, timed in the same rounds as the kernels so that drifting bandwidth and
+    the idle time before each call hit it alike."""
+    def setup():
+        import torch
+
+        x = torch.ones(int(w.bytes_read()) // 4, device=w.device)
+        return lambda: x.sum()
     return setup
 
 
@@ -270,26 +291,13 @@ def measure_workload(w: Workload, repeats: int, peers: bool, progress=None) -> l
             rate, unit = w.flops() / seconds / 1e12, "TFLOP/s"
         rows.append(Result(w.name, name, seconds, rate, unit, peak_mib=_peak_mib(calls[name], w.device)))
     torch_time = next((r.seconds for r in rows if r.impl.startswith("torch sdpa") and r.seconds), None)
+    read_rate = next((r.rate for r in rows if r.impl == MEMORY_READ and r.rate), None)
     for r in rows:
-        if r.seconds and torch_time:
+        if r.seconds and torch_time and r.impl != MEMORY_READ:
             r.ratio_to_torch = torch_time / r.seconds
+        if r.rate and read_rate and r.unit == "GB/s":
+            r.share_of_read = r.rate / read_rate
     return rows
-
-
-def memory_bandwidth_gbs(device: str = "cpu", megabytes: int = 1024, repeats: int = 5) -> float:
-    """Read bandwidth of the device the workloads run on: the best of a few sums over a
-    large float32 array (threaded on a CPU)."""
-    import torch
-
-    x = torch.ones(megabytes * 2**20 // 4, device=device)
-
-    def read():
-        x.sum()
-        if x.is_cuda:  # the sum is queued: wait for it
-            torch.cuda.synchronize()
-    read()
-    best = min(_timed(read) for _ in range(repeats))
-    return x.numel() * 4 / best / 1e9
 
 
 def _cuda_available() -> bool:
@@ -303,12 +311,6 @@ def _version_of(package: str) -> str | None:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def machine() -> dict:
@@ -440,7 +442,6 @@ def run(args) -> int:
             steps = len(implementations(w, not args.no_peers)) + args.repeats
             task = bar.add_task(w.name, total=steps)
             results += measure_workload(w, args.repeats, not args.no_peers, lambda: bar.advance(task))
-    bandwidth = memory_bandwidth_gbs(args.device) if any(w.decoding for w in workloads) else None
     table = Table(title=f"qkv bench, {info['date']}")
     for col in ("workload", "implementation", "time (ms)", "throughput", "vs torch sdpa", "peak MiB"):
         table.add_column(col, justify="left" if col in ("workload", "implementation") else "right")
@@ -448,7 +449,7 @@ def run(args) -> int:
         if r.error:
             table.add_row(r.workload, r.impl, "-", "-", "-", "-", style="dim")
             continue
-        share = f" ({100 * r.rate / bandwidth:.0f}% of {bandwidth:.1f})" if r.unit == "GB/s" and bandwidth else ""
+        share = f" ({100 * r.share_of_read:.0f}%)" if r.share_of_read and r.impl != MEMORY_READ else ""
         table.add_row(r.workload, r.impl, f"{r.seconds * 1e3:.1f}", f"{r.rate:.1f} {r.unit}{share}",
                       f"{r.ratio_to_torch:.2f}x" if r.ratio_to_torch else "-",
                       f"{r.peak_mib:.1f}" if r.peak_mib is not None else "-")
@@ -461,11 +462,12 @@ def run(args) -> int:
         if left_out:
             console.print(f"[dim]{w.name}: {', '.join(left_out)} left out (no {w.dtype})[/dim]")
     nothing_ran = sorted({r.workload for r in results} - {r.workload for r in results if not r.error})
-    if bandwidth:
-        console.print(f"measured memory read bandwidth: {bandwidth:.1f} GB/s (torch sum over 1 GiB on {args.device})")
+    if any(r.impl == MEMORY_READ and r.rate for r in results):
+        console.print(f"decoding: (n%) is the share of the '{MEMORY_READ}' row's rate, a sum over as many bytes "
+                      "as K and V hold, timed in the same rounds (medians of both)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": info, "memory_read_gbs": bandwidth, "results": [asdict(r) for r in results]},
+            json.dump({"machine": info, "results": [asdict(r) for r in results]},
                       f, indent=2)
     if args.plot:
         plot(results, args.plot, info)
