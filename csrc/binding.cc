@@ -8,6 +8,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cstdlib>
 #include <cstring>
@@ -40,7 +41,8 @@ bool amx_permitted() {
 }
 #endif
 
-Isa detect_isa() {
+// The best instruction set of the CPU (and, for AMX, that the kernel lets this process use).
+Isa cpu_best_isa() {
   Isa best = Isa::Generic;
 #if defined(QKV_X86)
   __builtin_cpu_init();
@@ -52,6 +54,23 @@ Isa detect_isa() {
       __builtin_cpu_supports("amx-bf16") && amx_permitted())
     best = Isa::Amx;
 #endif
+  return best;
+}
+
+// The best variant this build holds (CMakeLists.txt leaves out those its compiler cannot build).
+constexpr Isa BUILT_BEST =
+#if defined(QKV_BUILT_AMX)
+    Isa::Amx;
+#elif defined(QKV_BUILT_AVX512)
+    Isa::Avx512;
+#elif defined(QKV_BUILT_AVX2)
+    Isa::Avx2;
+#else
+    Isa::Generic;
+#endif
+
+Isa detect_isa() {
+  Isa best = std::min(cpu_best_isa(), BUILT_BEST);
   // QKV_ISA=generic|avx2|avx512 (any case, spaces ignored) forces a lower path (tests); never
   // a higher one than the CPU has. Python warns when the request is not what runs.
   if (const char* force = std::getenv("QKV_ISA")) {
@@ -70,8 +89,8 @@ Isa isa() {
   return chosen;
 }
 
-const char* isa_name() {
-  switch (isa()) {
+const char* name_of(Isa chosen) {
+  switch (chosen) {
     case Isa::Amx: return "amx";
     case Isa::Avx512: return "avx512";
     case Isa::Avx2: return "avx2";
@@ -129,10 +148,14 @@ Problem make_problem(const Any& q, const Any& k, const Any& v, float scale, int 
 }
 
 void run_forward(const Forward& f) {
-  switch (isa()) {
-#if defined(QKV_X86)
+  switch (isa()) {  // only the variants built (QKV_BUILT_*: x86 only)
+#if defined(QKV_BUILT_AMX)
     case Isa::Amx: isa_amx::forward(f); break;
+#endif
+#if defined(QKV_BUILT_AVX512)
     case Isa::Avx512: isa_avx512::forward(f); break;
+#endif
+#if defined(QKV_BUILT_AVX2)
     case Isa::Avx2: isa_avx2::forward(f); break;
 #endif
     default: isa_generic::forward(f); break;
@@ -140,10 +163,14 @@ void run_forward(const Forward& f) {
 }
 
 void run_backward(const Backward& b) {
-  switch (isa()) {
-#if defined(QKV_X86)
+  switch (isa()) {  // only the variants built (QKV_BUILT_*: x86 only)
+#if defined(QKV_BUILT_AMX)
     case Isa::Amx: isa_amx::backward(b); break;
+#endif
+#if defined(QKV_BUILT_AVX512)
     case Isa::Avx512: isa_avx512::backward(b); break;
+#endif
+#if defined(QKV_BUILT_AVX2)
     case Isa::Avx2: isa_avx2::backward(b); break;
 #endif
     default: isa_generic::backward(b); break;
@@ -154,7 +181,9 @@ void run_backward(const Backward& b) {
 
 NB_MODULE(_native, m) {
   m.doc() = "qkv's native CPU attention kernel";
-  m.def("isa", &isa_name, "The instruction set the kernel runs with here.");
+  m.def("isa", [] { return name_of(isa()); }, "The instruction set the kernel runs with here.");
+  m.def("cpu_isa", [] { return name_of(cpu_best_isa()); },
+        "The best instruction set the CPU has; more than isa() where this build left its variant out.");
   m.def("threading", &qkv::threading_name,
         "Whose threads the kernel runs on here: 'openmp' (the process's OpenMP threads, which torch's "
         "own operations share) or 'own pool'.");

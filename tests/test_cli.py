@@ -24,6 +24,28 @@ def test_check_passes(capsys):
     assert "torch      float16" in out and "numpy      float16" in out  # every dtype a backend has
 
 
+def test_check_without_torch_skips_bfloat16_with_a_hint():
+    """A core install (NumPy only): NumPy has no bfloat16, so that dtype is skipped, not failed."""
+    code = "import sys; sys.modules['torch'] = None; from qkv import cli; sys.exit(cli.main(['check']))"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "FAILED" not in run.stdout and "numpy      float32" in run.stdout
+    if dispatch.REGISTRY["native"].missing() is None:
+        assert "native     bfloat16  skipped: bfloat16 arrays are torch tensors (pip install 'qkv[torch]')" \
+            in run.stdout
+
+
+def test_distributed_benchmark_without_torch_says_what_to_install(monkeypatch, capsys):
+    from qkv import bench_distributed
+
+    real_find_spec = bench_distributed.importlib.util.find_spec
+    monkeypatch.setattr(bench_distributed.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torch" else real_find_spec(name, *a))
+    monkeypatch.setattr(bench_distributed, "_launch", lambda *a: pytest.fail("started processes"))
+    assert bench_distributed.main(["--world", "2", "--lengths", "256"]) == 1
+    assert "the distributed benchmark needs torch: pip install 'qkv[torch]'" in capsys.readouterr().err
+
+
 def _numpy_backend_off(monkeypatch, change):
     """The numpy backend's forward, its (out, lse) passed through change."""
     numpy_backend = dispatch.REGISTRY["numpy"]

@@ -300,3 +300,22 @@ def test_torch_decoding_under_no_grad_keeps_the_dtype_and_device():
     params32 = {name: p.astype(np.float32) for name, p in params.items()}
     in_dtype = reference_mha(*(tokens.astype(np.float32),) * 3, params32, 4, 2, allowed=causal_allowed(4, 4))[0]
     assert np.abs(got - want).max() <= 2 * np.abs(in_dtype - want).max() + 2e-6
+
+
+def test_torch_decoding_under_autocast_keeps_the_caches_dtype():
+    """autocast narrows the projections to bfloat16; the float32 cache takes them back (no loss),
+    and the steps equal one causal pass over the same bfloat16-rounded projections."""
+    torch = pytest.importorskip("torch")
+    import qkv.torch as qt
+
+    mha = qt.MultiHeadAttention(D_MODEL, 4, num_kv_heads=2).eval()
+    x = torch.randn(1, 6, D_MODEL, generator=torch.Generator().manual_seed(0))
+    cache = mha.init_cache(1, 6)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        outs = [mha(x[:, :4], cache=cache)[0], mha(x[:, 4:5], cache=cache)[0], mha(x[:, 5:], cache=cache)[0]]
+        q, k, v = (mha._split_heads(mha._project(x, w), h).float() for w, h in (("q", 4), ("k", 2), ("v", 2)))
+        heads = qkv.attention(q, k, v, qkv.causal())  # float32, as the cache holds them
+        want = mha._project(mha._combine_heads(heads), "o")
+    assert cache.keys.dtype == torch.float32 and cache.length == 6
+    torch.testing.assert_close(cache.keys[:, :, :6], k, rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat(outs, dim=1), want)  # bfloat16: one rounding apart at most

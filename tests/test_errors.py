@@ -266,6 +266,10 @@ BAD = [
                  id="softcap-nan"),
     pytest.param(lambda: qkv.softcap("30"), (TypeError, ValueError), r"cap must be a positive finite number, got '30'",
                  id="softcap-str"),
+    pytest.param(lambda: qkv.softcap(1e39), ValueError, r"cap must lie within float32's normal range.*got 1e\+39",
+                 id="softcap-past-float32"),  # it would be inf in float32: every score NaN
+    pytest.param(lambda: qkv.softcap(1e-40), ValueError, r"cap must lie within float32's normal range.*got 1e-40",
+                 id="softcap-below-float32"),
     # ---- the mask algebra and tiles ---------------------------------------------------------
     pytest.param(lambda: qkv.causal() & np.ones((LQ, LK), dtype=bool), TypeError,
                  r"mask & mask: the other operand must be a qkv mask, got ndarray; wrap an array as qkv\.dense_mask",
@@ -372,13 +376,32 @@ def test_trainable_tensors_in_score_modifiers_are_refused_not_left_without_gradi
         qkv.attention(q, TK, TV, score_mod=relative, backend=backend)
     with pytest.raises(ValueError, match="score_fn reads tensors that require grad"):  # explain raises alike
         qkv.explain(q, TK, TV, score_mod=relative, backend=backend)
-    with pytest.raises(ValueError, match="slopes that require grad are not supported.*detach"):
-        qkv.alibi(torch.tensor([0.5, 0.25, 0.125, 0.0625], requires_grad=True))
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], requires_grad=True)
+    with pytest.raises(ValueError, match="alibi slopes that require grad.*detach.*attention_weights"):
+        qkv.attention(q, TK, TV, score_mod=qkv.alibi(slopes), backend=backend)
+    with pytest.raises(ValueError, match="alibi slopes that require grad"):
+        qkv.explain(q, TK, TV, score_mod=qkv.alibi(slopes), backend=backend)
     with torch.no_grad():  # nothing to differentiate: the rule runs
         assert qkv.attention(q, TK, TV, score_mod=relative, backend="torch").shape == (B, HQ, LQ, 3)
     # the way the message gives: the explicit weights record the rule
     (qkv.attention_weights(q, TK, score_mod=relative) @ TV.repeat_interleave(2, dim=1)).sum().backward()
     assert learned.grad is not None and learned.grad.abs().sum() > 0
+
+
+def test_attention_weights_differentiate_through_trainable_slopes_and_biases():
+    """What attention refuses, the explicit weights record: slopes and a bias that require grad
+    get the gradients of the plain formula written out here."""
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(HQ, LQ, LK, dtype=torch.float64, requires_grad=True)
+    q, k = TQ.double(), TK.double()
+    qkv.attention_weights(q, k, bias, score_mod=qkv.alibi(slopes)).pow(2).sum().backward()
+    got = slopes.grad.clone(), bias.grad.clone()
+    slopes.grad = bias.grad = None
+    distance = (torch.arange(LQ)[:, None] + LK - LQ - torch.arange(LK)).abs()  # bottom-right, as alibi reads it
+    scores = q @ k.repeat_interleave(2, dim=1).transpose(-1, -2) / q.shape[-1] ** 0.5 + bias \
+        - slopes[:, None, None] * distance
+    torch.softmax(scores, -1).pow(2).sum().backward()
+    torch.testing.assert_close(got, (slopes.grad, bias.grad), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("kind, backend", BACKEND_RUNS, ids=lambda x: str(x))

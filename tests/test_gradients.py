@@ -158,8 +158,9 @@ def test_forward_mode_derivatives_are_right_or_refused(rng):
         dual = fwAD.make_dual(q, tangent)
         got = fwAD.unpack_dual(qkv.attention(dual, k, v)).tangent  # the automatic choice: torch's own operations
         assert (got.double() - want).abs().max() < 1e-5
-        with pytest.raises(qkv.BackendError, match="no forward-mode derivative"):
-            qkv.attention(dual, k, v, backend="native")
+        for backend in ("native", "reference"):  # they read the values only: the tangent would be lost
+            with pytest.raises(qkv.BackendError, match="no forward-mode derivative"):
+                qkv.attention(dual, k, v, backend=backend)
         with pytest.raises(NotImplementedError, match="qkv.attention has no forward-mode derivative"):
             qkv.attention(fwAD.make_dual(q.clone().requires_grad_(), tangent), k, v, backend="torch")
 
@@ -184,3 +185,26 @@ def test_function_transforms_are_refused_by_name(transform, rng):
         if transform == "vmap" else (lambda: torch.func.grad(lambda x: qkv.attention(x, k, v).sum())(q))
     with pytest.raises(TypeError, match="qkv.attention does not run inside torch.func transforms"):
         run()
+
+
+def test_function_transforms_run_through_the_explicit_formula(rng):
+    """attention_weights and the seed's door record torch's own operations: vmap and grad run
+    through them and equal the plain formula."""
+    q, k, v = (x.detach().double() for x in _float32_leaves(rng))
+    k_all, v_all = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
+
+    def plain(q):
+        return torch.softmax(q @ k_all.transpose(-1, -2) / q.shape[-1] ** 0.5, -1) @ v_all
+
+    def through_weights(q):
+        return qkv.attention_weights(q, k) @ v_all
+
+    def through_door(q):  # (B*H, L, D) inputs: one head each
+        out, _ = qkv.scaled_dot_product_attention(q.flatten(0, 1), k_all.flatten(0, 1), v_all.flatten(0, 1))
+        return out.reshape(q.shape[:-1] + (v.shape[-1],))
+
+    batched = q[None].expand(3, -1, -1, -1, -1)
+    for f in (through_weights, through_door):
+        torch.testing.assert_close(torch.vmap(f)(batched), torch.vmap(plain)(batched), rtol=1e-12, atol=1e-12)
+        grad = torch.func.grad(lambda x: f(x).pow(2).sum())(q)
+        torch.testing.assert_close(grad, torch.func.grad(lambda x: plain(x).pow(2).sum())(q), rtol=1e-12, atol=1e-12)

@@ -258,6 +258,14 @@ def test_rows_equal_those_of_the_full_matrix(rows, mask_name):
 
 
 @pytest.mark.skipif(torch is None, reason="needs torch")
+def test_rows_of_a_reversed_slice_on_torch_tensors():
+    q, k = (torch.from_numpy(x) for x in qk64(np.random.default_rng(2)))
+    want = qkv.attention_weights(q, k, qkv.causal())[..., torch.arange(q.shape[-2] - 1, -1, -2), :]
+    torch.testing.assert_close(qkv.attention_weights(q, k, qkv.causal(), rows=slice(None, None, -2)), want,
+                               rtol=0, atol=1e-15)
+
+
+@pytest.mark.skipif(torch is None, reason="needs torch")
 def test_rows_keep_torch_autograd():
     rng = np.random.default_rng(1)
     q64, k64 = qk64(rng)

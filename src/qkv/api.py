@@ -72,7 +72,7 @@ def attention_weights(q, k, mask=None, *, score_mod=None, scale=None, rows=None)
     in O(n·Lk) memory: the weights of chosen tokens of a long sequence.
     For statistics of every row in O(N) memory, see ``qkv.attention_stats``.
     """
-    inp = inputs.prepare(q, k, k, mask, score_mod=score_mod, scale=scale)
+    inp = inputs.prepare(q, k, k, mask, score_mod=score_mod, scale=scale, records_graph=True)
     if rows is not None:
         from .stats import weights_of_rows
 
@@ -108,7 +108,7 @@ def scaled_dot_product_attention(query, key, value, mask=None):
         mask = mask.reshape((1,) * (2 - mask.ndim) + tuple(mask.shape)) if mask.ndim < 2 else mask
         mask = mask[..., None, :, :] if mask.ndim >= 3 else mask  # room for the head axis
     q, k, v = (x[..., None, :, :] for x in (query, key, value))  # (..., 1, L, D): one head
-    inp = inputs.prepare(q, k, v, mask)
+    inp = inputs.prepare(q, k, v, mask, records_graph=True)
     out, _, weights = _formula(inp)
     return (out.reshape(tuple(query.shape[:-1]) + (inp.Dv,)),
             weights.reshape(tuple(query.shape[:-1]) + (inp.Lk,)))

@@ -20,6 +20,7 @@ group; rank 0 also runs the single-process baseline and prints the table::
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -368,12 +369,15 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if importlib.util.find_spec("torch") is None:
+        print("the distributed benchmark needs torch: pip install 'qkv[torch]'", file=sys.stderr)
+        return 1
     if args.worker is not None:
         _worker(args.worker, args.world, Path(args.folder))
-        return
+        return 0
     options = {k: getattr(args, k) for k in DEFAULTS}
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:  # under torchrun the group's size is the world
@@ -386,7 +390,8 @@ def main(argv=None) -> None:
         rows = run_distributed_bench(args.world, args.lengths, **options)
     if rows is not None:
         print(json.dumps(rows, indent=1) if args.json else format_table(rows, options))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -101,9 +101,6 @@ def check_ids_fit(name, ids, batch, length, length_name):
 
 
 def check_slopes(name, slopes):
-    if _arrays.is_torch(slopes) and slopes.requires_grad:
-        raise ValueError(f"{name} that require grad are not supported: qkv gives no gradient for them; "
-                         f"pass {name}.detach(), or add the ALiBi term as a float mask computed outside")
     arr = np.asarray(_arrays.to_numpy(slopes), dtype=None)
     if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.floating) and not np.issubdtype(arr.dtype, np.integer):
         raise ValueError(f"{name} must be a 1-D array of numbers (one per query head), got {arr.dtype} {arr.shape}")
@@ -355,7 +352,7 @@ def check_dropout(dropout_p, seed):
     return float(dropout_p), None if seed is None else int(seed)  # int: NumPy integers would overflow the hash
 
 
-def as_mask(mask, kind, dtype):
+def as_mask(mask, kind, dtype, records_graph=False):
     """Turn the `mask` argument into (Mask or None, extra score modifiers)."""
     if mask is None:
         return None, ()
@@ -375,9 +372,10 @@ def as_mask(mask, kind, dtype):
     if mdtype in FLOAT_DTYPES:
         if mdtype != dtype:
             raise TypeError(f"a float mask (additive bias) must have q's dtype {dtype}, got {mdtype}")
-        if got == "torch" and mask.requires_grad:
+        if got == "torch" and mask.requires_grad and not records_graph:
             raise ValueError("a float mask that requires grad is not supported: qkv gives no gradient "
-                             "for the bias; pass mask.detach() or compute the bias term outside")
+                             "for the bias; pass mask.detach(), or differentiate through "
+                             "qkv.attention_weights(q, k, mask) @ v, which records the formula")
         return None, (masks.Bias(mask),)
     raise TypeError(f"mask must be boolean (True = attend) or float (additive bias), got dtype {mdtype}; "
                     "for a 0/1 mask use mask != 0")
@@ -404,15 +402,20 @@ def _to4d(x):
     return x.reshape((math.prod(shape[:-3]),) + shape[-3:])
 
 
-def prepare(q, k, v, mask=None, *, score_mod=None, scale=None, dropout_p=0.0, seed=None) -> AttentionInputs:
-    """Validate one attention call and normalise it (see AttentionInputs)."""
+def prepare(q, k, v, mask=None, *, score_mod=None, scale=None, dropout_p=0.0, seed=None,
+            records_graph=False) -> AttentionInputs:
+    """Validate one attention call and normalise it (see AttentionInputs).
+
+    records_graph: the caller computes the plain formula on torch's own operations (attention
+    weights, the seed's door), which torch differentiates and transforms itself: a bias that
+    requires grad and torch.func transforms are then accepted."""
     kind = check_qkv(q, k, v)
-    if kind == "torch":
+    if kind == "torch" and not records_graph:
         _refuse_function_transforms()
     dtype = dtype_name(q)
     scale = check_scale(scale, q.shape[-1])
     dropout_p, seed = check_dropout(dropout_p, seed)
-    mask_obj, bias_mods = as_mask(mask, kind, dtype)
+    mask_obj, bias_mods = as_mask(mask, kind, dtype, records_graph)
     mods = bias_mods + as_score_mods(score_mod)
     batch_shape = tuple(q.shape[:-3])
     head_shape = tuple(q.shape[-3:-2]) if q.ndim >= 3 else ()
@@ -442,11 +445,18 @@ def _refuse_function_transforms():
 
 
 def refuse_trainable_rules(inp: AttentionInputs):
-    """A score_fn that reads tensors which require grad (a learned relative bias, say) would get
-    no gradient from qkv's kernels: refuse it, as a float mask that requires grad is refused.
-    The rule is tried once at position (0, 0, 0, 0), which every non-empty call evaluates too."""
+    """A score_fn that reads tensors which require grad (a learned relative bias, say), or alibi
+    slopes that require grad, would get no gradient from qkv's kernels: refuse them, as a float
+    mask that requires grad is refused. The rule is tried once at position (0, 0, 0, 0), which
+    every non-empty call evaluates too."""
+    if inp.kind != "torch" or not _arrays.grad_enabled():
+        return
+    if any(isinstance(m, masks.Alibi) and m.trainable is not None for m in inp.score_mods):
+        raise ValueError("alibi slopes that require grad: qkv gives no gradient for them. Pass "
+                         "slopes.detach(), or differentiate through qkv.attention_weights(q, k, mask, "
+                         "score_mod=...) @ v, which records the formula (O(Lq·Lk) memory)")
     rules = [m for m in inp.score_mods if isinstance(m, masks.ScoreFn)]
-    if not rules or inp.kind != "torch" or not _arrays.grad_enabled():
+    if not rules:
         return
     torch, like = sys.modules["torch"], inp.q
     score = torch.zeros((1, 1, 1, 1), dtype=like.dtype, device=like.device)
@@ -456,7 +466,7 @@ def refuse_trainable_rules(inp: AttentionInputs):
         if _arrays.is_torch(result) and result.requires_grad:
             raise ValueError("score_fn reads tensors that require grad: qkv gives no gradient for them. "
                              "Detach them, or differentiate through qkv.attention_weights(q, k, mask, "
-                             "score_mod=...) @ v, which records the rule (O(Lq·Lk) memory)")
+                             "score_mod=...) @ v, which records the formula (O(Lq·Lk) memory)")
 
 
 # masks imports this module; importing it last hands it a complete one (an import inside the

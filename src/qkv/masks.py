@@ -713,12 +713,16 @@ class Alibi(ScoreMod):
 
     def __init__(self, slopes):
         self.slopes = inputs.check_slopes("slopes", slopes)
+        # slopes that require grad: the formula paths (attention_weights) differentiate through
+        # them; attention refuses them (inputs.refuse_trainable_rules)
+        self.trainable = slopes if _arrays.is_torch(slopes) and slopes.requires_grad else None
 
     def check(self, geom):
         inputs.check_size("slopes", self.slopes, geom.heads, "the number of query heads")
 
     def apply(self, s, b, h, qi, ki, geom):
-        slope = _arrays.cast_like(_arrays.like(self.slopes, s)[h], s)  # (1, nh, 1, 1)
+        slopes = self.trainable if self.trainable is not None and _arrays.is_torch(s) else self.slopes
+        slope = _arrays.cast_like(_arrays.like(slopes, s)[h], s)  # (1, nh, 1, 1)
         distance = _arrays.cast_like(abs(qi + _offset("bottom_right", geom) - ki), s)  # in s's dtype, no promotion
         return s - slope * distance
 
@@ -729,6 +733,10 @@ class Alibi(ScoreMod):
 class Softcap(ScoreMod):
     def __init__(self, cap):
         self.cap = inputs.check_positive_float("cap", cap)
+        tiny, largest = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+        if not tiny <= self.cap <= largest:  # past them, the float32 cap is 0 or inf: every score NaN
+            raise ValueError(f"cap must lie within float32's normal range [{tiny:.3g}, {largest:.3g}] (low "
+                             f"precision computes in float32), got {cap!r}")
 
     def apply(self, s, b, h, qi, ki, geom):
         xp = _arrays.namespace(s)

@@ -363,7 +363,7 @@ def weights_of_rows(inp, rows):
 def _row_index(rows, Lq: int):
     """(int64 positions (n,), whether the caller gave one int) for the `rows` argument."""
     if isinstance(rows, slice):
-        return np.arange(Lq)[rows], False
+        return np.arange(Lq)[rows].copy(), False  # a copy: torch takes no negative strides
     if _is_int(rows):
         index, drop = np.array([operator.index(rows)]), True
     else:

@@ -18,6 +18,7 @@ class Capabilities:
     max_head_dim: int | None = None
     masks: bool = True  # every mask and score modifier of the language
     gradients: bool = False  # torch autograd through it
+    forward_ad: bool = False  # carries torch.autograd.forward_ad tangents through
     dropout: bool = False
     materializes: bool = False  # holds the Lq x Lk matrix (never chosen automatically)
 
@@ -53,6 +54,8 @@ class Backend:
             reasons.append(f"head dims up to {caps.max_head_dim}, got D={inp.D}, Dv={inp.Dv}")
         if inp.needs_grad and not caps.gradients:
             reasons.append("no autograd support (inputs require grad)")
+        if inp.kind == "torch" and not caps.forward_ad and _arrays.has_tangents(inp.q, inp.k, inp.v):
+            reasons.append("no forward-mode derivative (these inputs carry tangents)")
         if inp.dropout_p > 0 and not caps.dropout:
             reasons.append("no dropout")
         if (inp.mask is not None or inp.score_mods) and not caps.masks:

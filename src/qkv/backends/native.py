@@ -35,8 +35,8 @@ try:
 except ImportError as error:  # not built (no compiler) or not importable here
     _native, _ON_AMX = None, False
     _import_error = (f"built but cannot be loaded here ({error})" if _extension_file_exists() else
-                     "not built: no C++17 compiler was found when qkv was installed, or QKV_NATIVE=OFF (install "
-                     "it again with one; `pip install -v` shows the build)")
+                     "not built: no C++17 compiler or no Python headers were found when qkv was installed, or "
+                     "QKV_NATIVE=OFF (install it again with them; `pip install -v` shows the build)")
 else:
     _import_error = None
     _ON_AMX = _native.isa() == "amx"  # chosen once, when the kernel loads
@@ -47,7 +47,8 @@ def _warn_unmet_isa_request(asked, chosen: str) -> None:
     if asked is None or asked.strip().lower() == chosen or not chosen:
         return
     known = ("generic", "avx2", "avx512")
-    why = "more than this CPU has" if asked.strip().lower() in known else f"not one of {', '.join(known)}"
+    why = "more than this CPU has or this build holds" if asked.strip().lower() in known \
+        else f"not one of {', '.join(known)}"
     warnings.warn(f"QKV_ISA={asked!r} is {why}; the native kernel runs {chosen}", RuntimeWarning, stacklevel=2)
 
 
@@ -108,14 +109,15 @@ class NativeBackend(Backend):
     def detail(self):
         if _native is None:
             return None
-        return f"{_native.isa()} instructions, {self.num_threads} threads ({_native.threading()})"
+        left_out = ""
+        if _native.cpu_isa() != _native.isa() and "QKV_ISA" not in os.environ:
+            left_out = f"; the CPU has {_native.cpu_isa()}, which the compiler that built qkv could not build"
+        return f"{_native.isa()} instructions{left_out}, {self.num_threads} threads ({_native.threading()})"
 
     def extra_reasons(self, inp):
         reasons = inline_score_mod_reasons(inp, (Alibi, Bias, Softcap), "the native kernel")
         if inp.kind == "numpy" and any(s % x.itemsize for x in (inp.q, inp.k, inp.v) for s in x.strides):
             reasons.append("strides that are not whole elements (a field of a structured array)")
-        if inp.kind == "torch" and _has_tangents(inp.q, inp.k, inp.v):
-            reasons.append("no forward-mode derivative (these inputs carry tangents)")
         return reasons
 
     def on_amx(self, inp):
@@ -195,12 +197,6 @@ class NativeBackend(Backend):
         up = lambda n: -(-n // 32) * 32  # noqa: E731 (the kernel pads to 32)
         values, keys = (up(inp.Dv), 0) if inp.dtype == "bfloat16" else (3 * up(inp.Dv), 3 * up(inp.D))
         return 2 * inp.B * inp.Hkv * up(inp.Lk) * (values + keys)
-
-
-def _has_tangents(*tensors) -> bool:
-    """Whether forward-mode AD (torch.autograd.forward_ad) gave any of the tensors a tangent."""
-    forward_ad = sys.modules["torch"].autograd.forward_ad
-    return forward_ad._current_level >= 0 and any(forward_ad.unpack_dual(x).tangent is not None for x in tensors)
 
 
 def _few_queries(inp) -> bool:

@@ -200,7 +200,7 @@ def _modified_with_grad(rule, raw):
 class TorchBackend(Backend):
     name = "torch"
     caps = Capabilities(kinds=("torch",), devices=(), dtypes=("float64", "float32", "bfloat16", "float16"),
-                        gradients=True, dropout=True)
+                        gradients=True, forward_ad=True, dropout=True)
 
     def missing(self):
         try:

@@ -49,12 +49,12 @@ class TritonBackend(Backend):
     def missing(self):
         if not _triton_installed():
             return "Triton is not installed (pip install 'qkv[triton]')"
-        if interpreting():
-            return None
         try:
             import torch
         except ImportError:
             return "PyTorch is not installed (pip install 'qkv[triton]')"
+        if interpreting():
+            return None
         if not torch.cuda.is_available():
             return "no CUDA GPU here (TRITON_INTERPRET=1 runs the kernels on CPU, slowly, for tests)"
         return None
