@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import importlib.util
 import os
 import platform
@@ -47,7 +46,7 @@ def cmd_check(args) -> int:
         if name == "reference" or backend.missing():
             continue
         for dtype in [d for d in ("float64", "float32", "bfloat16", "float16") if d in backend.caps.dtypes]:
-            if dtype == "bfloat16" and not _imports("torch"):  # NumPy has no bfloat16
+            if dtype == "bfloat16" and importlib.util.find_spec("torch") is None:  # NumPy has no bfloat16
                 print(f"{name:<10} {dtype:<9} skipped: bfloat16 arrays are torch tensors (pip install 'qkv[torch]')")
                 continue
             try:
@@ -57,14 +56,6 @@ def cmd_check(args) -> int:
             failures += not ok
             print(f"{name:<10} {dtype:<9} causal GQA: {report}  {'ok' if ok else 'FAILED'}")
     return 1 if failures else 0
-
-
-def _imports(module: str) -> bool:
-    try:
-        importlib.import_module(module)
-        return True
-    except ImportError:
-        return False
 
 
 def _check_one(name, backend, dtype, arrays64, references: dict):
