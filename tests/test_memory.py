@@ -89,3 +89,42 @@ def test_native_is_chosen_only_while_a_masks_bitmaps_stay_within_the_inputs_size
     assert "a byte per score of its partial tiles, 256 MiB, more than the inputs" in every_tile.refused["native"][0]
     assert qkv.explain(q[..., :512, :], q[..., :512, :], q[..., :512, :],  # small: a quarter MiB, still native
                        qkv.mask_fn(lambda b, h, i, j: (i - j) % 2 == 0)).backend == "native"
+
+
+def _mask_for_the_numpy_estimate(name, L, ids):
+    import numpy as np
+
+    import qkv
+
+    rule = qkv.mask_fn(lambda b, h, i, j: (i - j) % 3 != 0)
+    return {"none": None, "causal": qkv.causal(), "document": qkv.document(ids),
+            "dense": qkv.dense_mask(np.random.default_rng(1).random((L, L)) < 0.5),
+            "mask_fn": rule, "~mask_fn | causal": ~rule | qkv.causal()}[name]
+
+
+@pytest.mark.parametrize("shape,dtype", [((1, 2, 2, 3000), "float32"), ((2, 4, 2, 1500), "float64")])
+@pytest.mark.parametrize("mask_name", ["none", "causal", "document", "dense", "mask_fn", "~mask_fn | causal"])
+def test_explain_bounds_the_numpy_backends_extra_memory_with_every_kind_of_mask(shape, dtype, mask_name):
+    """What explain says the numpy backend holds is at least what it holds (traced allocations
+    beyond the output), and not more than 2.5 times that: masked tiles and a user's rule too."""
+    import tracemalloc
+
+    import numpy as np
+
+    import qkv
+
+    B, Hq, Hkv, L = shape
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((B, Hq, L, 64)).astype(dtype)
+    k, v = (rng.standard_normal((B, Hkv, L, 64)).astype(dtype) for _ in range(2))
+    ids = np.repeat(np.arange(4), L // 4 + 1)[:L][None].repeat(B, 0)
+    mask = _mask_for_the_numpy_estimate(mask_name, L, ids)
+    said = qkv.explain(q, k, v, mask, backend="numpy").workspace_bytes
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        out = qkv.attention(q, k, v, mask, backend="numpy")
+        held = tracemalloc.get_traced_memory()[1] - before - out.nbytes
+    finally:
+        tracemalloc.stop()
+    assert held <= said <= 2.5 * held, f"explain {said / 2**20:.2f} MiB, held {held / 2**20:.2f} MiB"

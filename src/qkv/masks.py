@@ -520,6 +520,15 @@ class MaskFn(Mask):
         return f"mask_fn({getattr(self.fn, '__name__', 'fn')})"
 
 
+def runs_user_rule(mask: Mask) -> bool:
+    """Whether evaluating the mask calls a rule of the user's (mask_fn) anywhere in its tree:
+    its temporaries are the user's, so memory estimates can only assume a typical rule."""
+    if isinstance(mask, MaskFn):
+        return True
+    children = getattr(mask, "parts", ()) + ((mask.inner,) if hasattr(mask, "inner") else ())
+    return any(runs_user_rule(child) for child in children)
+
+
 class _DenseArray:
     """An array broadcastable to (..., Hq, Lq, Lk), viewed as 4-D for a call's sizes.
 

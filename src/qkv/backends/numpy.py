@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from .._threads import available_cpus, parallel_map
-from ..masks import EMPTY
-from .base import Backend, Capabilities, cdiv, compute_dtype_name, row_tile_classes, tile_workspace
+from ..masks import EMPTY, runs_user_rule
+from .base import Backend, Capabilities, cdiv, compute_dtype_name, nbytes, row_tile_classes, tile_workspace
 from .tiling import TileRule, partial_flags
 
 class NumpyBackend(Backend):
@@ -71,4 +71,14 @@ class NumpyBackend(Backend):
         workers = min(available_cpus(), max(1, inp.B * inp.Hkv * cdiv(inp.Lq, self.block_q)))
         tiles = tile_workspace(workers, self.block_q, self.block_k, inp.group, inp.D, inp.Dv, inp.dtype)
         lse = inp.B * inp.Hq * inp.Lq * (8 if inp.dtype == "float64" else 4)
-        return tiles + lse
+        return tiles + lse + workers * self.block_q * self.block_k * self._mask_bytes_per_score(inp)
+
+    @staticmethod
+    def _mask_bytes_per_score(inp) -> int:
+        """A masked tile's temporaries, per (query, key) pair: for each head of the group the
+        rule's answer (bool) and the masked scores; a rule of the user's is assumed to hold two
+        int64 index temporaries, as `(qi - ki) % 3 != 0` does (its indices broadcast over heads)."""
+        if inp.mask is None:
+            return 0
+        user_rule = 2 * 8 if runs_user_rule(inp.mask) else 0
+        return inp.group * (1 + nbytes(compute_dtype_name(inp.dtype))) + user_rule
