@@ -158,3 +158,17 @@ def test_a_reader_that_leaves_early_gets_no_traceback(monkeypatch):
     with open(write_end, "w", buffering=1) as closed_pipe:  # line-buffered: the first line fails
         monkeypatch.setattr(sys, "stdout", closed_pipe)
         assert cli.main(["info"]) == 141
+
+
+@pytest.mark.parametrize("encoding", ["ascii", "cp1252"])
+def test_pictures_come_out_as_ascii_shades_where_the_output_cannot_encode_blocks(encoding):
+    """A pipe in a legacy code page, or PYTHONIOENCODING=ascii: the same picture, drawn in ASCII."""
+    env = dict(os.environ, PYTHONIOENCODING=encoding)
+    done = subprocess.run([sys.executable, "-m", "qkv", "viz", "--random"], env=env, capture_output=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr.decode(encoding, "replace")
+    text = done.stdout.decode(encoding)
+    utf8 = subprocess.run([sys.executable, "-m", "qkv", "viz", "--random"], capture_output=True, timeout=120,
+                          env=dict(os.environ, PYTHONIOENCODING="utf-8")).stdout.decode("utf-8")
+    assert any(block in utf8 for block in "░▒▓█")  # the check below compares drawn pictures
+    assert text == utf8.translate(str.maketrans({"█": "#", "▓": "%", "▒": "+", "░": ".", "│": "|"}))

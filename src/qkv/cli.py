@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import codecs
 import importlib.util
 import os
 import platform
@@ -151,8 +152,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Pictures (masks, heatmaps) are drawn with block characters. Where the output cannot encode
+# them (a pipe in a legacy code page, PYTHONIOENCODING=ascii), they come out as ASCII shades.
+_ASCII_SHADES = {"█": "#", "▓": "%", "▒": "+", "░": ".", "·": ".", "│": "|"}
+
+
+def _ascii_shades(error: UnicodeEncodeError):
+    text = error.object[error.start:error.end]
+    return "".join(_ASCII_SHADES.get(char, "?") for char in text), error.end
+
+
+codecs.register_error("qkv-ascii-shades", _ascii_shades)
+
+
+def _draw_in_any_encoding() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            "".join(_ASCII_SHADES).encode(stream.encoding or "ascii")
+        except (UnicodeEncodeError, LookupError):
+            if hasattr(stream, "reconfigure"):
+                stream.reconfigure(errors="qkv-ascii-shades")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    _draw_in_any_encoding()
     try:
         return args.func(args)
     except BrokenPipeError:  # `qkv info | head`: the reader left; say nothing more
