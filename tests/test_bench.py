@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from qkv import bench, bench_distributed, cli
+from qkv import bench, bench_distributed, cli, dispatch
 
 pytest.importorskip("torch")
 pytest.importorskip("rich")
@@ -66,7 +66,22 @@ def test_gpu_implementations_are_qkv_triton_and_torch_kernels():
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message without a GPU")
 def test_cuda_bench_without_a_gpu_says_so(capsys):
     assert cli.main(["bench", "--device", "cuda"]) == 2
-    assert "no CUDA GPU" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "qkv bench --device cuda: no CUDA GPU here" in captured.err and captured.out == ""
+
+
+@pytest.mark.parametrize("dtype,backward,expected", [
+    ("float16", False, ["qkv native (no float16)", "qkv numpy (timed in float32 only)"]),
+    ("float32", True, ["qkv numpy (no backward)"]),
+    ("float32", False, []),
+])
+def test_every_cpu_backend_left_out_of_a_workload_is_named_with_why(dtype, backward, expected):
+    w = bench.Workload("w", 1, 2, 2, 64, 64, 16, dtype=dtype, backward=backward)
+    native_here = dispatch.REGISTRY["native"].missing() is None
+    left_out = bench._left_out(w)
+    assert left_out == [name for name in expected if native_here or not name.startswith("qkv native")]
+    ran = {name for name in bench.implementations(w, peers=False) if name.startswith("qkv ")}
+    assert not ran & {name.split(" (")[0] for name in left_out}
 
 
 def test_distributed_runs_the_ring_benchmark_on_that_many_ranks(monkeypatch):

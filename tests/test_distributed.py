@@ -444,6 +444,20 @@ def test_benchmark_arguments_are_checked_before_any_process_starts(monkeypatch, 
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_benchmark_kv_heads_default_to_the_query_heads(monkeypatch):
+    """--heads alone never fails on a --kv-heads the user did not set."""
+    from qkv import bench_distributed
+
+    asked = {}
+    monkeypatch.setattr(bench_distributed, "run_distributed_bench", lambda world, lengths, **o: asked.update(o))
+    for key in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    assert bench_distributed.main(["--heads", "2", "--lengths", "256"]) == 0
+    assert asked["heads"] == asked["kv_heads"] == 2
+    assert bench_distributed.with_defaults({"heads": 6}, [256])["kv_heads"] == 6
+    assert bench_distributed.with_defaults({"heads": 6, "kv_heads": 3}, [256])["kv_heads"] == 3
+
+
 def test_benchmark_options_are_checked_before_any_process_starts(monkeypatch):
     from qkv import bench_distributed
 

@@ -146,6 +146,17 @@ def test_to_string_draws_the_mask():
     assert "causal" in text.splitlines()[0]
 
 
+
+def test_to_string_of_a_mask_with_more_batch_rows_says_to_pass_batch_size():
+    mask = qkv.padding([3, 5])
+    with pytest.raises(ValueError, match=r"drawn for 1 batch row: if the mask's data holds more, pass batch_size="):
+        mask.to_string(3, 5)
+    assert mask.to_string(3, 5, batch=1, batch_size=2).splitlines()[1:] == ["0 █████", "1 █████", "2 █████"]
+    with pytest.raises(ValueError) as error:  # batch_size given: the mask's own error, no advice
+        mask.to_string(3, 5, batch_size=3)
+    assert "needs one entry per batch row (3), got 2" in str(error.value) and "pass batch_size" not in str(error.value)
+
+
 MASKS = {
     "causal": lambda: qkv.causal(),
     "causal_top_left": lambda: qkv.causal(align="top_left"),

@@ -4,6 +4,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -218,6 +219,15 @@ def test_command_with_random_weights_writes_both_pictures(tmp_path, capsys):
     assert png.stat().st_size > 10_000
     data = _embedded_data(html.read_text(encoding="utf-8"))
     assert np.array(data["weights"]).shape == (3, 2, 7, 7) and data["tokens"][0] == "t0"
+
+
+def test_command_without_matplotlib_says_so_before_drawing_anything(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # `from matplotlib.figure import` fails
+    png, html = tmp_path / "grid.png", tmp_path / "view.html"
+    assert viz.main(["--random", "--png", str(png), "--html", str(html)]) == 2
+    captured = capsys.readouterr()
+    assert "the PNG grid needs matplotlib: pip install qkv[viz]" in captured.err and captured.out == ""
+    assert not png.exists() and not html.exists()
 
 
 def test_command_reads_a_npy_file(tmp_path, capsys):

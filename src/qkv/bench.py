@@ -18,6 +18,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -115,9 +116,7 @@ def implementations(w: Workload, peers: bool = True) -> dict:
             impls["torch flex (compiled)"] = _flex_impl(w)
         return impls
     for name in _cpu_backends():
-        if w.dtype in dispatch.REGISTRY[name].caps.dtypes:
-            if name == "numpy" and (w.backward or w.dtype != "float32" or w.flops() > 2e11):
-                continue  # the NumPy backend has no autograd; skip the slow giant runs
+        if w.dtype in dispatch.REGISTRY[name].caps.dtypes and not (name == "numpy" and _numpy_left_out(w)):
             impls[f"qkv {name}"] = _qkv_impl(w, name)
     impls["torch sdpa"] = _torch_sdpa_impl(w)
     if w.decoding:
@@ -133,11 +132,23 @@ def _cpu_backends() -> list[str]:
             if backend.ever_automatic and backend.runs_on_cpu and backend.missing() is None]
 
 
-def _without_dtype(w: Workload) -> list[str]:
-    """qkv's CPU backends left out of a workload for its dtype."""
+def _numpy_left_out(w: Workload) -> str | None:
+    """Why the NumPy backend sits out a workload: it has no autograd, its float16 is a float32
+    computation, and its giant runs would take minutes."""
+    if w.backward:
+        return "no backward"
+    if w.dtype != "float32":
+        return "timed in float32 only"
+    return "too slow at this size" if w.flops() > 2e11 else None
+
+
+def _left_out(w: Workload) -> list[str]:
+    """qkv's CPU backends left out of a workload, each with why."""
     if w.device != "cpu":
         return []
-    return [f"qkv {name}" for name in _cpu_backends() if w.dtype not in dispatch.REGISTRY[name].caps.dtypes]
+    reasons = {name: f"no {w.dtype}" if w.dtype not in dispatch.REGISTRY[name].caps.dtypes
+               else _numpy_left_out(w) if name == "numpy" else None for name in _cpu_backends()}
+    return [f"qkv {name} ({reason})" for name, reason in reasons.items() if reason]
 
 
 def _inputs(w: Workload, kind: str, requires_grad: bool = False):
@@ -365,7 +376,7 @@ def world_size(text: str) -> int:
 
     world, lengths = positive_int(text), bench_distributed.LENGTHS
     try:
-        bench_distributed.check_config(world, {**bench_distributed.DEFAULTS, "lengths": lengths})
+        bench_distributed.check_config(world, bench_distributed.with_defaults({}, lengths))
     except ValueError as error:
         raise argparse.ArgumentTypeError(f"{error} (it runs lengths {', '.join(map(str, lengths))})") from None
     return world
@@ -421,7 +432,7 @@ def run(args) -> int:
 
     console = Console(width=None if os.isatty(1) else 130)
     if args.device == "cuda" and not _cuda_available():
-        console.print("qkv bench --device cuda: no CUDA GPU here")
+        print("qkv bench --device cuda: no CUDA GPU here", file=sys.stderr)
         return 2
     workloads = args.shape or (gpu_suite() if args.device == "cuda" else default_suite())
     for w in args.shape:
@@ -458,9 +469,9 @@ def run(args) -> int:
         if r.error:
             console.print(f"[dim]{r.workload} / {r.impl}: did not run ({r.error})[/dim]")
     for w in workloads:
-        left_out = _without_dtype(w)
+        left_out = _left_out(w)
         if left_out:
-            console.print(f"[dim]{w.name}: {', '.join(left_out)} left out (no {w.dtype})[/dim]")
+            console.print(f"[dim]{w.name}: left out {', '.join(left_out)}[/dim]")
     nothing_ran = sorted({r.workload for r in results} - {r.workload for r in results if not r.error})
     if any(r.impl == MEMORY_READ and r.rate for r in results):
         console.print(f"decoding: (n%) is the share of the '{MEMORY_READ}' row's rate, a sum over as many bytes "

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from ._processes import run_ranks
 
-DEFAULTS = dict(heads=4, kv_heads=4, head_dim=64, batch=1, dtype="float32", mask="causal", layout="zigzag",
+DEFAULTS = dict(heads=4, kv_heads=None, head_dim=64, batch=1, dtype="float32", mask="causal", layout="zigzag",
                 repeat=3, backward=False)
 LENGTHS = (2048, 4096, 8192)
 
@@ -196,8 +196,8 @@ def run_distributed_bench(world_size: int, lengths=LENGTHS, *, timeout: float = 
         world_size: ranks P (local processes, each with cores/P threads).
         lengths: sequence lengths L; each must be divisible by P (contiguous) or 2P (zigzag).
         timeout: seconds for each launch before its processes are killed.
-        options: heads, kv_heads, head_dim, batch, dtype, mask ("causal" or "none"),
-            layout, repeat, backward (time forward + backward) — see DEFAULTS.
+        options: heads, kv_heads (None: as many as heads), head_dim, batch, dtype, mask
+            ("causal" or "none"), layout, repeat, backward (time forward + backward) — see DEFAULTS.
 
     Returns:
         One dict per length: L, world, single/ring seconds and tokens per second,
@@ -210,13 +210,22 @@ def run_distributed_bench(world_size: int, lengths=LENGTHS, *, timeout: float = 
     unknown = set(options) - set(DEFAULTS)
     if unknown:
         raise ValueError(f"unknown options {sorted(unknown)}; expected some of {sorted(DEFAULTS)}")
-    cfg = {**DEFAULTS, **options, "lengths": list(lengths)}
+    cfg = with_defaults(options, lengths)
     check_config(world_size, cfg)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     with tempfile.TemporaryDirectory(prefix="qkv-bench-") as tmp:
         single = _launch(1, dict(cfg, role="single"), Path(tmp) / "single", cores, timeout)[0]
         ring = _launch(world_size, dict(cfg, role="ring"), Path(tmp) / "ring", max(1, cores // world_size), timeout)
     return [_row(cfg, world_size, single[i], [r[i] for r in ring]) for i in range(len(cfg["lengths"]))]
+
+
+def with_defaults(options: dict, lengths) -> dict:
+    """The whole configuration; kv_heads None means one KV head per query head, as the modules'
+    num_kv_heads=None does."""
+    cfg = {**DEFAULTS, **options, "lengths": list(lengths)}
+    if cfg["kv_heads"] is None:
+        cfg["kv_heads"] = cfg["heads"]
+    return cfg
 
 
 def check_config(world: int, cfg: dict) -> None:
@@ -350,14 +359,16 @@ def format_table(rows: list[dict], cfg: dict) -> str:
 def _parser() -> argparse.ArgumentParser:
     from .bench import positive_int
 
-    p = argparse.ArgumentParser(prog="python -m qkv.bench_distributed", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m qkv.bench_distributed", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--world", type=positive_int, default=2,
                    help="ranks to start on this machine (ignored under torchrun)")
     p.add_argument("--lengths", type=positive_int, nargs="+", default=list(LENGTHS))
-    p.add_argument("--heads", type=positive_int, default=DEFAULTS["heads"])
-    p.add_argument("--kv-heads", type=positive_int, default=DEFAULTS["kv_heads"])
-    p.add_argument("--head-dim", type=positive_int, default=DEFAULTS["head_dim"])
-    p.add_argument("--batch", type=positive_int, default=DEFAULTS["batch"])
+    p.add_argument("--heads", type=positive_int, default=DEFAULTS["heads"], help="query heads")
+    p.add_argument("--kv-heads", type=positive_int, default=DEFAULTS["kv_heads"],
+                   help="key/value heads, dividing --heads (None: as many as --heads)")
+    p.add_argument("--head-dim", type=positive_int, default=DEFAULTS["head_dim"], help="D")
+    p.add_argument("--batch", type=positive_int, default=DEFAULTS["batch"], help="batch rows")
     p.add_argument("--dtype", default=DEFAULTS["dtype"], choices=("float32", "float64", "bfloat16", "float16"))
     p.add_argument("--mask", default=DEFAULTS["mask"], choices=("causal", "none"))
     p.add_argument("--layout", default=DEFAULTS["layout"], choices=("contiguous", "zigzag"))
@@ -378,14 +389,15 @@ def main(argv=None) -> int:
     if args.worker is not None:
         _worker(args.worker, args.world, Path(args.folder))
         return 0
-    options = {k: getattr(args, k) for k in DEFAULTS}
+    cfg = with_defaults({k: getattr(args, k) for k in DEFAULTS}, args.lengths)
+    options = {k: cfg[k] for k in DEFAULTS}
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:  # under torchrun the group's size is the world
-        check_config(int(os.environ["WORLD_SIZE"]) if torchrun else args.world, {**options, "lengths": args.lengths})
+        check_config(int(os.environ["WORLD_SIZE"]) if torchrun else args.world, cfg)
     except ValueError as error:
         parser.error(str(error))
     if torchrun:
-        rows = _under_torchrun({**DEFAULTS, **options, "lengths": args.lengths})
+        rows = _under_torchrun(cfg)
     else:
         rows = run_distributed_bench(args.world, args.lengths, **options)
     if rows is not None:

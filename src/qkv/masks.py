@@ -174,7 +174,13 @@ class Mask:
         rows = batch + 1 if batch_size is None else inputs.check_positive_int("batch_size", batch_size)
         if batch >= rows:
             raise ValueError(f"batch ({batch}) must be less than batch_size ({rows})")
-        grid = self.materialize(Lq, Lk, batch=rows, heads=head + 1)[batch, head]
+        try:
+            grid = self.materialize(Lq, Lk, batch=rows, heads=head + 1)[batch, head]
+        except ValueError as error:
+            if batch_size is None:  # drawn for batch + 1 rows: the mask's data may hold more
+                raise ValueError(f"{error} (drawn for {rows} batch row{'s' * (rows > 1)}: if the mask's data holds "
+                                 "more, pass batch_size=)") from None
+            raise
         width = len(str(max(Lq, Lk) - 1))
         lines = [f"{self!r}  (rows: {Lq} queries, columns: {Lk} keys)"]
         for i, row in enumerate(grid):

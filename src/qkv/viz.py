@@ -160,7 +160,8 @@ def heatmap_grid(weights, tokens=None, *, key_tokens=None, layer=None, path=None
     Args:
         weights, tokens, key_tokens: as in the module legend.
         layer: one layer (its heads fill rows of up to 6 panels); None draws every layer.
-        path: where to save the PNG (None: only return the figure).
+        path: where to save the picture, in the format its suffix names (.png, .svg, .pdf;
+            none: PNG, with .png added); None: only return the figure.
         title: the figure's title.
         cmap: a matplotlib colormap name; one colour scale for every panel, 0 to the largest weight.
 
@@ -350,6 +351,8 @@ def random_weights(length=10, heads=4, layers=2, *, seed=0, causal=False, dim=16
 def run(args) -> int:
     """Carry out ``qkv viz`` for parsed arguments; prints what it drew. Returns the exit code."""
     try:
+        if args.png:
+            _figure_class()  # before any work: a missing matplotlib must not cost the other outputs
         weights, tokens = load_weights(args)
         maps = as_maps(weights, tokens)
         if not args.quiet:
