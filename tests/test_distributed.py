@@ -93,6 +93,8 @@ def run_case(case: dict, rank: int, world: int, group=None) -> dict:
              for name in ("q", "k", "v", "dout", "dlse")}
     if "local_q" in case:  # a rank that passes shards unlike the others'
         local["q"] = case["local_q"][rank]
+    for name, per_rank in case.get("local", {}).items():  # q, k and v of each rank's own making
+        local[name] = per_rank[rank]
     grad = rank in case.get("grad_ranks", range(world))
     q, k, v = (local[n].clone().requires_grad_(grad) for n in ("q", "k", "v"))
     stats = qd.RingStats()
@@ -273,13 +275,27 @@ def test_world_of_two_processes_and_ranks_that_disagree(tmp_path):
                     local_q=[qd.shard(q, 0, 2, "zigzag"), qd.shard(q, 1, 2, "zigzag")[..., :23, :]])
     grad_on_one = make_case("none", "contiguous", seed=64, grad_ranks=[0])  # only rank 0 records autograd
     after = make_case("none", "contiguous", dtype="float32", seed=63)  # the group still works after errors
-    results = run_ranks(2, [good, shorter, odd, grad_on_one, after], tmp_path)
+    meta = make_case("none", "contiguous", seed=65)
+    meta["local"] = {name: [qd.shard(meta[name], 0, 2, "contiguous"), qd.shard(meta[name], 1, 2, "contiguous").to("meta")]
+                     for name in ("q", "k", "v")}
+    sparse = make_case("none", "contiguous", seed=66)
+    sparse["local_q"] = [qd.shard(sparse["q"], r, 2, "contiguous") for r in range(2)]
+    sparse["local_q"][0] = sparse["local_q"][0].to_sparse()
+    dims = make_case("none", "contiguous", lead=(1,), hq=2, hkv=2, seed=67)  # rank 1 passes (H, L, D), rank 0 (1, H, L, D)
+    dims["local"] = {name: [qd.shard(dims[name], r, 2, "contiguous")[(0,) * r] for r in range(2)]
+                     for name in ("q", "k", "v")}
+    results = run_ranks(2, [good, shorter, odd, grad_on_one, meta, sparse, dims, after], tmp_path)
     check_case(good, gathered(results, 0, good))
     assert all("disagree" in r[1]["error"] and "Lq/P per rank [24, 22]" in r[1]["error"] for r in results)
     assert "must be divisible by 2" in results[1][2]["error"]
     assert "rank(s) [1] of the group rejected" in results[0][2]["error"]
     assert all("needs grad per rank [True, False]" in r[3]["error"] for r in results)
-    check_case(after, gathered(results, 4, after))
+    assert "dense tensors with data, got q with layout torch.strided on meta" in results[1][4]["error"]
+    assert "dense tensors with data, got q with layout torch.sparse_coo" in results[0][5]["error"]
+    assert "rank(s) [1] of the group rejected" in results[0][4]["error"]
+    assert "rank(s) [0] of the group rejected" in results[1][5]["error"]
+    assert all("batch dims (hash) per rank" in r[6]["error"] for r in results), [r[6] for r in results]
+    check_case(after, gathered(results, 7, after))
 
 
 def test_a_failing_rank_fails_the_run_with_its_message(tmp_path):

@@ -207,12 +207,12 @@ def test_rope_decoding_one_token_matches_full_sequence():
         np.testing.assert_allclose(step, full[:, t : t + 1, :], atol=1e-12)
 
 
-@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.longdouble])
 def test_rope_keeps_numpy_dtype(dtype):
     x = RNG.standard_normal((6, 8)).astype(dtype)
     out = rope(x)
     assert out.dtype == dtype
-    tol = {np.float16: 5e-3, np.float32: 1e-6, np.float64: 1e-12}[dtype]
+    tol = {np.float16: 5e-3, np.float32: 1e-6, np.float64: 1e-12, np.longdouble: 1e-12}[dtype]  # wider: float64
     np.testing.assert_allclose(out.astype(np.float64), rope_loop(x), atol=tol)
 
 

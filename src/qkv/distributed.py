@@ -586,7 +586,8 @@ def _torch_block_grads(call: _Call, b: _Block, saved: _Saved, q_b, k_c, v_c):
 # The public function
 # ======================================================================================
 _META_FIELDS = ("arguments accepted", "batch", "Hq", "Hkv", "Lq/P", "Lk/P", "D", "Dv", "dtype", "layout",
-                "scale", "needs grad", "causal alignment", "kv_lengths (hash)", "q_lengths (hash)")
+                "scale", "needs grad", "batch dims (hash)", "causal alignment", "kv_lengths (hash)",
+                "q_lengths (hash)")
 #: How a field's integers read in a message (the others are shown as they are).
 _META_VALUES = {"dtype": inputs.FLOAT_DTYPES.__getitem__, "layout": LAYOUTS.__getitem__,
                 "scale": lambda bits: struct.unpack("<d", struct.pack("<q", bits))[0],
@@ -629,7 +630,7 @@ def ring_attention(q, k, v, mask=None, *, scale=None, layout: str = "contiguous"
     error, call = None, None
     try:
         call = _validate(q, k, v, mask, scale, layout, stats)
-    except (TypeError, ValueError) as caught:
+    except Exception as caught:  # any failure: raised on every rank once they have agreed
         error = caught
     ring = _connect(group, error)
     _agree(ring, call, error, q)
@@ -642,9 +643,15 @@ def ring_attention(q, k, v, mask=None, *, scale=None, layout: str = "contiguous"
 
 def _validate(q, k, v, mask, scale, layout, stats) -> _Call:
     """Everything that can be checked on this rank alone (the global lengths need the world size)."""
+    import torch
+
     inputs.check_qkv(q, k, v)
     if not _arrays.is_torch(q):
         raise TypeError(f"ring_attention takes torch tensors (it runs on torch.distributed), got {type(q).__name__}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.device.type == "meta" or x.layout != torch.strided:
+            raise TypeError(f"ring_attention takes dense tensors with data, got {name} with layout {x.layout} "
+                            f"on {x.device}")
     scale = inputs.check_scale(scale, q.shape[-1])
     per_rank = chunks_per_rank(layout)
     spec = _parse_mask(mask)
@@ -687,11 +694,11 @@ def _agree(ring: _Ring, call: _Call | None, error, q) -> None:
     if error is None:
         try:
             _bind_global(call, ring.world)
-        except (TypeError, ValueError) as caught:
+        except Exception as caught:  # any failure: the other ranks must not wait on this one
             error = caught
     mine = [0] * len(_META_FIELDS) if error is not None else [1] + _describe(call)
     if ring.world > 1:
-        device = q.device if _arrays.is_torch(q) else _default_device(ring)
+        device = q.device if error is None else _default_device(ring)
         meta = torch.tensor(mine, dtype=torch.int64, device=device)  # (fields,)
         everyone = [torch.empty_like(meta) for _ in range(ring.world)]
         ring.dist.all_gather(everyone, meta, group=ring.group)
@@ -722,8 +729,9 @@ def _bind_global(call: _Call, world: int) -> None:
 
 def _describe(call: _Call) -> list[int]:
     B, Hq, Hkv, D, Dv = call.sizes
+    batch_dims = _digest(np.array((len(call.batch_shape),) + call.batch_shape))  # (B, H, ...) vs (H, ...) too
     return [B, Hq, Hkv, call.Lq, call.Lk, D, Dv, inputs.FLOAT_DTYPES.index(call.dtype),
-            LAYOUTS.index(call.layout), _float_bits(call.scale), int(call.needs_grad)] + call.spec.code()
+            LAYOUTS.index(call.layout), _float_bits(call.scale), int(call.needs_grad), batch_dims] + call.spec.code()
 
 
 def _default_device(ring: _Ring):

@@ -192,7 +192,7 @@ def _rope_numpy(x, positions, base: float, interleaved: bool) -> np.ndarray:
 
     angles = pos.astype(np.float64)[..., None] * _inv_freq(D, base)  # (..., L, D/2)
     # Half precision is too coarse for the products; float32 is enough for float32.
-    work = np.float64 if x.dtype == np.float64 else np.float32
+    work = np.float32 if x.dtype in (np.float16, np.float32) else np.float64  # long double: float64 angles
     cos = np.cos(angles).astype(work)  # (..., L, D/2)
     sin = np.sin(angles).astype(work)  # (..., L, D/2)
     xw = x.astype(work, copy=False)  # (..., L, D)
