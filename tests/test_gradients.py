@@ -138,6 +138,19 @@ def test_a_mask_changed_in_place_before_the_backward_is_refused(backend, rng):
 
 
 @pytest.mark.parametrize("backend", GRAD_BACKENDS)
+def test_a_numpy_mask_is_refused_where_the_backward_reads_it_again(backend, rng):
+    """A change to a NumPy array in place cannot be seen, and these backwards read the mask
+    again: with torch inputs that record gradients a dense mask must be a tensor."""
+    q, k, v = _float32_leaves(rng)
+    allowed = rng.random((9, 9)) < 0.5
+    for mask in (qkv.dense_mask(allowed), qkv.causal() & ~qkv.dense_mask(allowed)):
+        with pytest.raises(TypeError, match="holds a NumPy array, and torch inputs record gradients"):
+            qkv.attention(q, k, v, mask, backend=backend)
+    with torch.no_grad():  # no backward: nothing is read again
+        qkv.attention(q, k, v, qkv.dense_mask(allowed), backend=backend)
+
+
+@pytest.mark.parametrize("backend", GRAD_BACKENDS)
 def test_second_derivatives_are_refused_not_zero(backend, rng):
     q, k, v = _float32_leaves(rng)
     out = qkv.attention(q, k, v, backend=backend)

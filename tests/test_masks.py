@@ -335,3 +335,21 @@ def test_a_dense_mask_checked_for_other_sizes_in_between_still_answers_for_its_o
 def test_materialize_takes_numpy_integers():
     want = qkv.causal().materialize(3, 4, batch=2, heads=1)
     np.testing.assert_array_equal(qkv.causal().materialize(3, 4, batch=np.int64(2), heads=np.int64(1)), want)
+
+
+@pytest.mark.parametrize("backend", ["reference", "numpy", "torch", "native"])
+def test_an_empty_batch_with_a_rule_or_dense_mask_gives_an_empty_output(backend):
+    """Tiles settled by evaluating the rule: batch 0 has none to evaluate."""
+    from qkv import dispatch
+
+    if dispatch.REGISTRY[backend].missing():
+        pytest.skip(dispatch.REGISTRY[backend].missing())
+    q, k = np.zeros((0, 2, 5, 8), np.float32), np.zeros((0, 1, 7, 8), np.float32)
+    if backend == "torch":
+        torch = pytest.importorskip("torch")
+        q, k = torch.from_numpy(q), torch.from_numpy(k)
+    allowed = np.ones((0, 2, 5, 7), bool)
+    allowed = torch.from_numpy(allowed) if backend == "torch" else allowed
+    for mask in (qkv.mask_fn(lambda b, h, i, j: i >= j), qkv.dense_mask(allowed)):
+        assert tuple(qkv.attention(q, k, k, mask, backend=backend).shape) == (0, 2, 5, 8)
+        assert mask.blocks(5, 7, 64, 64, batch=0, heads=2).shape == (0, 1, 1, 1)

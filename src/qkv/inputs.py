@@ -238,9 +238,15 @@ class AttentionInputs:
         return self.batch_shape + self.head_shape + (self.Lq,)
 
     def held_tensors(self) -> tuple:
-        """The torch tensors of the mask and score modifiers, which a backward reads again."""
+        """The torch tensors of the mask and score modifiers, which a backward reads again (and
+        checks for changes in place). A NumPy array there is refused: its changes go unseen."""
         rules = ([self.mask] if self.mask is not None else []) + list(self.score_mods)
-        return tuple(a for rule in rules for a in masks.held_arrays(rule) if _arrays.is_torch(a))
+        held = [a for rule in rules for a in masks.held_arrays(rule)]
+        if not all(_arrays.is_torch(a) for a in held):
+            raise TypeError("a dense mask or bias holds a NumPy array, and torch inputs record gradients: the "
+                            "backward reads it again and could not tell if it changed in place; pass it as a "
+                            "torch tensor (torch.from_numpy(array))")
+        return tuple(held)
 
     def to_caller(self, out, lse):
         """A backend's (out, lse), (B, Hq, Lq, Dv) and (B, Hq, Lq) or None, in the caller's shapes."""

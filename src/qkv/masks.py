@@ -218,7 +218,8 @@ def _settle_by_evaluation(mask: Mask, classes, geom: Geometry, block_q: int, blo
     for t in range(nq):
         maybe = (classes[:, :, t, :] == _MAYBE).any(axis=(0, 1))  # (nk,)
         q0, q1 = t * block_q, min((t + 1) * block_q, geom.Lq)
-        step = max(1, _EVALUATED_AT_ONCE // (geom.batch * heads * (q1 - q0) * block_k))  # key tiles at once
+        band = max(1, geom.batch * heads * (q1 - q0) * block_k)  # scores of a key tile; none for batch 0
+        step = max(1, _EVALUATED_AT_ONCE // band)  # key tiles at once
         for j0 in range(0, nk, step):
             j1 = min(j0 + step, nk)
             if not maybe[j0:j1].any():
