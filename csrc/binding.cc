@@ -217,8 +217,12 @@ NB_MODULE(_native, m) {
          std::optional<Flat<uint8_t>> bitmaps, std::optional<Flat<float>> alibi, float softcap,
          std::optional<Any> bias) {
         Extras x{tile_class, lo, hi, bitmap_index, bitmaps, alibi, softcap, bias};
-        Backward b{make_problem(q, k, v, scale, block_q, block_k, threads, x), strided(dout, "dout"), lse.data(),
-                   delta.data(), dq.data(), dk.data(), dv.data()};
+        Problem p = make_problem(q, k, v, scale, block_q, block_k, threads, x);
+        const DType grads = dq.dtype() == nb::dtype<float>() ? F32 : BF16;
+        if (dk.dtype() != dq.dtype() || dv.dtype() != dq.dtype() || (grads == BF16 && (p.dtype != BF16 ||
+            dq.dtype().code != static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat) || dq.dtype().bits != 16)))
+          throw std::invalid_argument("dq, dk and dv must have one dtype: q's, or float32");
+        Backward b{p, strided(dout, "dout"), lse.data(), delta.data(), dq.data(), dk.data(), dv.data(), grads};
         nb::gil_scoped_release unlocked;
         run_backward(b);
       },
@@ -226,5 +230,6 @@ NB_MODULE(_native, m) {
       nb::arg("dk"), nb::arg("dv"), nb::arg("scale"), nb::arg("block_q"), nb::arg("block_k"), nb::arg("threads"),
       nb::arg("tile_class").none(), nb::arg("lo").none(), nb::arg("hi").none(), nb::arg("bitmap_index").none(),
       nb::arg("bitmaps").none(), nb::arg("alibi").none(), nb::arg("softcap"), nb::arg("bias").none(),
-      "dq, dk, dv must be contiguous in q's dtype and are written in place; delta = rowsum(dO*O) - dlse.");
+      "dq, dk, dv must be contiguous, in q's dtype or float32, and are written in place; delta = rowsum(dO*O) - "
+      "dlse.");
 }

@@ -1324,10 +1324,10 @@ inline void probabilities_and_score_grads(const BackwardPlan& plan, const Tile& 
   }
 }
 
-inline void store_rows(const Problem& p, void* base, int64_t first_row, int count, int n, const float* src, int ld) {
+inline void store_rows(qkv::DType dtype, void* base, int64_t first_row, int count, int n, const float* src, int ld) {
   for (int c = 0; c < count; ++c) {
     const float* s = src + int64_t(c) * ld;
-    if (p.dtype == qkv::F32) {
+    if (dtype == qkv::F32) {
       float* d = static_cast<float*>(base) + (first_row + c) * n;
       for (int e = 0; e < n; ++e) d[e] = s[e];
     } else {
@@ -1367,7 +1367,7 @@ inline void store_dq(const BackwardPlan& plan, int r, int t, const float* dQ) {
   for (int rr = 0; rr < tl.n(); ++rr) {
     const int64_t at = (int64_t(tl.b) * p.Hq + tl.head(rr)) * p.Lq + tl.query(rr);
     const float* src = dQ + int64_t(rr) * plan.Dp;
-    if (p.dtype == qkv::F32) {
+    if (plan.bw.grads == qkv::F32) {
       float* dst = static_cast<float*>(plan.bw.dq) + at * p.D;
       for (int d = 0; d < p.D; ++d) dst[d] = src[d] * p.scale;
     } else {
@@ -1381,8 +1381,8 @@ inline void store_dkdv(const BackwardPlan& plan, int r, int j, const float* dK, 
   const Problem& p = plan.bw.p;
   Tile tk = make_tile(p, r, 0, j);
   const int64_t first = (int64_t(tk.b) * p.Hkv + tk.kv) * p.Lk + tk.k0;
-  store_rows(p, plan.bw.dk, first, tk.cols, p.D, dK, plan.Dp);
-  store_rows(p, plan.bw.dv, first, tk.cols, p.Dv, dV, plan.Dvp);
+  store_rows(plan.bw.grads, plan.bw.dk, first, tk.cols, p.D, dK, plan.Dp);
+  store_rows(plan.bw.grads, plan.bw.dv, first, tk.cols, p.Dv, dV, plan.Dvp);
 }
 
 // Two passes, for few rows: every (row, query tile) sums its dQ, every (row, key tile) its dK, dV.

@@ -60,9 +60,10 @@ struct Backward {
   Strided4 dout;        // (B, Hq, Lq, Dv)
   const float* lse;     // (B, Hq, Lq) contiguous
   const float* delta;   // (B, Hq, Lq) contiguous: rowsum(dO * O) - dlse
-  void* dq;             // (B, Hq, Lq, D) contiguous, dtype p.dtype
+  void* dq;             // (B, Hq, Lq, D) contiguous, dtype `grads`
   void* dk;             // (B, Hkv, Lk, D)
   void* dv;             // (B, Hkv, Lk, Dv)
+  DType grads;          // p.dtype, or F32 for bfloat16 inputs whose gradients are summed further
 };
 
 // One entry point per ISA (kernel.h, compiled three times with different flags).

@@ -221,6 +221,7 @@ def _cases_of_world_4():
         make_case("causal", "contiguous", seed=51),
         make_case("padding", "contiguous", hq=2, hkv=1, seed=52),
         make_case("causal_padding", "zigzag", dtype="float32", seed=53),
+        make_case("causal", "zigzag", dtype="bfloat16", lq=256, seed=54),
     ]
 
 
@@ -344,6 +345,26 @@ def test_backward_in_torch_ops_where_no_fused_backward(world_of_one, monkeypatch
     out, lse = qd.ring_attention(q, k, v, make_mask(case), layout="zigzag", return_lse=True)
     ((out * case["dout"]).sum() + (torch.where(lse.isinf(), 0, lse) * case["dlse"]).sum()).backward()
     check_case(case, {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad})
+
+
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_block_gradients_reach_the_ring_unrounded(backend):
+    """The ring sums each block's gradients in float32: a bfloat16 backward hands them over in
+    float32, and rounded they are the gradients the backward gives anyone else."""
+    from qkv import dispatch, inputs
+
+    if dispatch.REGISTRY[backend].missing():
+        pytest.skip(dispatch.REGISTRY[backend].missing())
+    case = make_case("causal", dtype="bfloat16", lq=80, seed=73)
+    q, k, v, dout = (case[n] for n in ("q", "k", "v", "dout"))
+    out, lse = qkv.attention(q, k, v, qkv.causal(), backend=backend, return_lse=True)
+    inp = inputs.prepare(q, k, v, qkv.causal())
+    run_backward = dispatch.REGISTRY[backend].run_backward
+    plain = run_backward(inp, q, k, v, out, lse, dout, case["dlse"].float())
+    wide = run_backward(inp, q, k, v, out, lse, dout, case["dlse"].float(), float32_grads=True)
+    for name, p, w in zip(("dq", "dk", "dv"), plain, wide):
+        assert p.dtype == torch.bfloat16 and w.dtype == torch.float32, name
+        assert torch.equal(w.to(torch.bfloat16), p), name
 
 
 def test_world_of_one_without_grad_and_custom_scale(world_of_one):

@@ -543,7 +543,7 @@ def _kernel_block_grads(call: _Call, b: _Block, saved: _Saved, q_b, k_c, v_c):
     rows = slice(b.q0, b.q1)
     dlse = None if saved.dlse is None else saved.dlse[..., rows].contiguous()
     return run_backward(inp, inp.q, inp.k, inp.v, saved.out[..., rows, :].contiguous(), saved.lse[..., rows],
-                        saved.dout[..., rows, :].contiguous(), dlse)
+                        saved.dout[..., rows, :].contiguous(), dlse, float32_grads=True)  # summed in float32
 
 
 def _torch_block_grads(call: _Call, b: _Block, saved: _Saved, q_b, k_c, v_c):

@@ -149,12 +149,14 @@ class NativeBackend(Backend):
             base.count_tiles(computed=int(counts[0]), masked=int(counts[1]))
         return out, lse
 
-    def run_backward(self, inp, q, k, v, out, lse, dout, dlse):
+    def run_backward(self, inp, q, k, v, out, lse, dout, dlse, float32_grads=False):
+        """(dq, dk, dv) in the inputs' dtype, or in float32 with float32_grads (ring attention
+        sums the blocks' gradients: bfloat16 ones would be rounded before the sum)."""
         import torch
 
         dout = dout.contiguous()
         delta = softmax_delta(out, dout, dlse)
-        dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
+        dq, dk, dv = (torch.empty(x.shape, dtype=torch.float32 if float32_grads else x.dtype) for x in (q, k, v))
         _native.backward(*_for_kernel(q, k, v, dout, lse.contiguous(), delta.contiguous(), dq, dk, dv), inp.scale,
                          BLOCK_Q, BLOCK_K, self.num_threads, **kernel_extras(inp, (BLOCK_Q, BLOCK_K)))
         return dq, dk, dv

@@ -122,8 +122,9 @@ def _online_step(m, l, acc, s, vt, keep):
     return m_new, l, acc
 
 
-def backward_tiled(inp, q, k, v, out, lse, dout, dlse):
-    """(dq, dk, dv) by recomputing each tile's probabilities from the saved lse."""
+def backward_tiled(inp, q, k, v, out, lse, dout, dlse, keep_sum_dtype=False):
+    """(dq, dk, dv) by recomputing each tile's probabilities from the saved lse; in the inputs'
+    dtypes, or with keep_sum_dtype in the one they were summed in (lse's)."""
     import torch
 
     cdt = lse.dtype
@@ -170,9 +171,8 @@ def backward_tiled(inp, q, k, v, out, lse, dout, dlse):
             _add_rows(dk[:, k0:k1], sel, ds.transpose(1, 2) @ qt)
             dq_tile = (ds @ kt * inp.scale).reshape(len(rows), G, q1 - q0, inp.D)
             _add_rows(dq[:, :, q0:q1], sel, dq_tile)
-    return (dq.reshape(q.shape).to(q.dtype),
-            dk.reshape(k.shape).to(k.dtype),
-            dv.reshape(v.shape).to(v.dtype))
+    grads = dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+    return grads if keep_sum_dtype else tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
 
 
 def _add_rows(target, sel, value):
@@ -212,9 +212,10 @@ class TorchBackend(Backend):
     def block_sizes(self, inp):
         return choose_blocks(inp.B * inp.Hkv, inp.group, inp.Lq, inp.Lk)
 
-    def run_backward(self, inp, q, k, v, out, lse, dout, dlse):
-        """(dq, dk, dv) from a saved forward (used by ring attention for its blocks)."""
-        return backward_tiled(inp, q, k, v, out, lse, dout, dlse)
+    def run_backward(self, inp, q, k, v, out, lse, dout, dlse, float32_grads=False):
+        """(dq, dk, dv) from a saved forward (used by ring attention for its blocks): in the
+        inputs' dtype, or, with float32_grads, in the dtype they were summed in (float32 or wider)."""
+        return backward_tiled(inp, q, k, v, out, lse, dout, dlse, keep_sum_dtype=float32_grads)
 
     def forward(self, inp):
         if inp.needs_grad:
