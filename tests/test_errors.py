@@ -367,6 +367,13 @@ def test_mask_and_score_rule_errors_on_every_backend(make_rule, error, pattern, 
         qkv.attention(q, k, v, backend=backend, **rule_argument)
 
 
+@pytest.mark.parametrize("mask", [torch.ones(LQ, LK, dtype=torch.bool, device="meta"),
+                                  torch.zeros(LQ, LK, device="meta")], ids=["bool", "float"])
+def test_a_mask_on_the_meta_device_is_refused_by_name(mask):
+    with pytest.raises(ValueError, match="a mask or bias on the meta device has no data to read"):
+        qkv.attention(TQ, TK, TV, mask)
+
+
 @pytest.mark.parametrize("backend", ["torch", "native", None])
 def test_trainable_tensors_in_score_modifiers_are_refused_not_left_without_gradient(backend):
     q = TQ.clone().requires_grad_()

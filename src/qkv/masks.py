@@ -544,6 +544,8 @@ class _DenseArray:
     """
 
     def __init__(self, array):
+        if _arrays.is_torch(array) and array.device.type == "meta":
+            raise ValueError("a mask or bias on the meta device has no data to read; give it real values")
         self.array = array
         self._fitted = (None, None)  # (Geometry, 4-D view), replaced as a whole
 
