@@ -109,6 +109,15 @@ Strided4 strided(const Any& a, const char* name) {
   return {a.data(), a.stride(0), a.stride(1), a.stride(2), a.stride(3)};
 }
 
+// The dtype the gradients are written in: q's, or float32 (ring attention sums blocks in float32).
+DType grads_dtype(const Out& dq, const Out& dk, const Out& dv, DType q_dtype) {
+  const bool alike = dk.dtype() == dq.dtype() && dv.dtype() == dq.dtype();
+  const bool bf16 = dq.dtype().code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat) && dq.dtype().bits == 16;
+  if (alike && dq.dtype() == nb::dtype<float>()) return F32;
+  if (alike && bf16 && q_dtype == BF16) return BF16;
+  throw std::invalid_argument("dq, dk and dv must have one dtype: q's, or float32");
+}
+
 struct Extras {  // everything optional about a call: mask data and score modifiers
   std::optional<Flat<int8_t>> tile_class;
   std::optional<Flat<int32_t>> lo, hi;
@@ -218,11 +227,8 @@ NB_MODULE(_native, m) {
          std::optional<Any> bias) {
         Extras x{tile_class, lo, hi, bitmap_index, bitmaps, alibi, softcap, bias};
         Problem p = make_problem(q, k, v, scale, block_q, block_k, threads, x);
-        const DType grads = dq.dtype() == nb::dtype<float>() ? F32 : BF16;
-        if (dk.dtype() != dq.dtype() || dv.dtype() != dq.dtype() || (grads == BF16 && (p.dtype != BF16 ||
-            dq.dtype().code != static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat) || dq.dtype().bits != 16)))
-          throw std::invalid_argument("dq, dk and dv must have one dtype: q's, or float32");
-        Backward b{p, strided(dout, "dout"), lse.data(), delta.data(), dq.data(), dk.data(), dv.data(), grads};
+        Backward b{p, strided(dout, "dout"), lse.data(), delta.data(), dq.data(), dk.data(), dv.data(),
+                   grads_dtype(dq, dk, dv, p.dtype)};
         nb::gil_scoped_release unlocked;
         run_backward(b);
       },

@@ -457,3 +457,15 @@ def test_nan_propagates_on_the_decoding_path(dtype):
         if not (torch.isnan(out).all() and torch.isnan(lse).all()):
             lost.append(key)
     assert lost == []
+
+
+@pytest.mark.parametrize("q_dtype, grads", [(torch.float32, (torch.bfloat16,) * 3),
+                                            (torch.bfloat16, (torch.float32, torch.bfloat16, torch.float32))])
+def test_the_backward_writes_gradients_only_in_qs_dtype_or_float32(q_dtype, grads):
+    from qkv.backends.native import _native
+
+    q = torch.randn(1, 1, 8, 4).to(q_dtype)
+    rows = torch.zeros(1, 1, 8)
+    with pytest.raises(ValueError, match="dq, dk and dv must have one dtype: q's, or float32"):
+        _native.backward(q, q, q, q, rows, rows, *(torch.empty(1, 1, 8, 4, dtype=g) for g in grads), 0.5,
+                         64, 128, 1, None, None, None, None, None, None, 0.0, None)
