@@ -698,7 +698,8 @@ def _agree(ring: _Ring, call: _Call | None, error, q) -> None:
             error = caught
     mine = [0] * len(_META_FIELDS) if error is not None else [1] + _describe(call)
     if ring.world > 1:
-        device = q.device if error is None else _default_device(ring)
+        usable = _arrays.is_torch(q) and q.device.type != "meta"  # a meta q has no memory to gather from
+        device = q.device if usable else _default_device(ring)
         meta = torch.tensor(mine, dtype=torch.int64, device=device)  # (fields,)
         everyone = [torch.empty_like(meta) for _ in range(ring.world)]
         ring.dist.all_gather(everyone, meta, group=ring.group)

@@ -530,10 +530,7 @@ class MaskFn(Mask):
 def runs_user_rule(mask: Mask) -> bool:
     """Whether evaluating the mask calls a rule of the user's (mask_fn) anywhere in its tree:
     its temporaries are the user's, so memory estimates can only assume a typical rule."""
-    if isinstance(mask, MaskFn):
-        return True
-    children = getattr(mask, "parts", ()) + ((mask.inner,) if hasattr(mask, "inner") else ())
-    return any(runs_user_rule(child) for child in children)
+    return isinstance(mask, MaskFn) or any(runs_user_rule(part) for part in _parts(mask))
 
 
 class _DenseArray:
@@ -577,13 +574,17 @@ class DenseMask(_DenseArray, Mask):
         return f"dense_mask(shape={tuple(self.array.shape)})"
 
 
+def _parts(rule) -> list:
+    """The masks a combination (&, |, ~, from_query) is made of; none for the others."""
+    return list(getattr(rule, "parts", ())) + ([rule.inner] if isinstance(rule, (Not, _LaterRows)) else [])
+
+
 def held_arrays(rule) -> list:
     """The arrays a mask or score modifier reads when evaluated (dense masks and biases, inside
     any combination); the other rules copy their parameters when made."""
     if isinstance(rule, _DenseArray):
         return [rule.array]
-    inside = list(getattr(rule, "parts", ())) + ([rule.inner] if isinstance(rule, (Not, _LaterRows)) else [])
-    return [array for part in inside for array in held_arrays(part)]
+    return [array for part in _parts(rule) for array in held_arrays(part)]
 
 
 def _dense_lookup(arr4, b, h, qi, ki):

@@ -352,7 +352,7 @@ def run(args) -> int:
     """Carry out ``qkv viz`` for parsed arguments; prints what it drew. Returns the exit code."""
     try:
         if args.png:
-            _figure_class()  # before any work: a missing matplotlib must not cost the other outputs
+            _figure_class()  # a missing matplotlib fails the command before it draws anything
         weights, tokens = load_weights(args)
         maps = as_maps(weights, tokens)
         if not args.quiet:
