@@ -128,12 +128,18 @@ struct Extras {  // everything optional about a call: mask data and score modifi
   std::optional<Any> bias;
 };
 
+// Sizes are counted in int, rounded up to whole tiles (cdiv) on the way: room is left for that.
+constexpr size_t MAX_SIZE = (size_t(1) << 31) - 1024;
+
 Problem make_problem(const Any& q, const Any& k, const Any& v, float scale, int block_q, int block_k, int threads,
                      const Extras& x) {
   Problem p{};
   p.dtype = dtype_of(q, "q");
   if (dtype_of(k, "k") != p.dtype || dtype_of(v, "v") != p.dtype) throw std::invalid_argument("q, k, v dtypes differ");
   p.q = strided(q, "q"), p.k = strided(k, "k"), p.v = strided(v, "v");
+  for (const Any* a : {&q, &k, &v})
+    for (size_t d = 0; d < 4; ++d)
+      if (a->shape(d) > MAX_SIZE) throw std::invalid_argument("a size above 2^31 - 1024: the kernel counts in int");
   p.B = int(q.shape(0)), p.Hq = int(q.shape(1)), p.Lq = int(q.shape(2)), p.D = int(q.shape(3));
   p.Hkv = int(k.shape(1)), p.Lk = int(k.shape(2)), p.Dv = int(v.shape(3));
   p.scale = scale, p.block_q = block_q, p.block_k = block_k, p.num_threads = threads;

@@ -1097,6 +1097,9 @@ void amx_tiles(const ForwardPlan& plan, const Tile& tl, int split, Accumulator& 
   uint16_t* PB = reinterpret_cast<uint16_t*>(PB_.p);
   // bfloat16 scores are scaled here, float32 ones come scaled (through the queries)
   const bool modified = any_modifier(p), scale_here = parts == 1;
+  // The softmax's fused scale takes max(s)·scale for max(s·scale) and keeps -inf at -inf: true
+  // only for a positive scale. Modifiers see scaled scores too. Else the tile is scaled first.
+  const bool scale_first = scale_here && (modified || !(p.scale > 0.f));
   amx_configure(), pack_queries(p, tl, plan.G, Dpad, np, parts, QB);
   for_each_key_tile(plan, tl, split, acc, [&](const Tile& tj) {
     const int keys_pad = round_up(tj.cols, 32);
@@ -1105,14 +1108,14 @@ void amx_tiles(const ForwardPlan& plan, const Tile& tl, int split, Accumulator& 
                                   : key_tile(p, tj, Dpad, keys_pad, reinterpret_cast<uint16_t*>(K_.p), &ldk);
     if (parts > 1) amx_matmul_parts(keys_pad, np, Dpad, K, ldk, plan.keys->plane(), QB, int64_t(Dpad) * np, ST.p, np);
     else amx_matmul(keys_pad, np, Dpad, K, ldk, QB, ST.p, np, false);  // Sᵀ = K·Qᵀ (keys x queries)
-    if (modified && scale_here) scale_tile(ST.p, tj.cols, np, p.scale);  // modifiers see scaled scores
+    if (scale_first) scale_tile(ST.p, tj.cols, np, p.scale);
     apply_rule(tj, ST.p, 1, np);  // masked scores become -inf, scaled or not
     const uint16_t* values = plan.values->tile(tl.r, tj.j);
     const int calls = keys_pad / 2 * (np / W);  // of ahead.next(), one per pair of keys and W queries
     Ahead ahead = next_keys(plan, tj, split, calls);
     ahead.values = whole(values, plan.values->bytes(), calls);
     if (parts == 1) {
-      const float scale = modified ? 1.f : p.scale;  // modified scores were scaled above
+      const float scale = scale_first ? 1.f : p.scale;
       softmax_to_bf16_pairs<false>(tj.cols, keys_pad, np, p.Dv, ST.p, scale, acc.m, acc.l, acc.O, nullptr, PB, ahead);
       amx_matmul(plan.dv_rows, np, keys_pad, values, plan.values->cols, PB, acc.O, np, true);  // Oᵀ += Vᵀ·Pᵀ
     } else {  // the tile's Vᵀ·Pᵀ summed apart, so its small terms round while small

@@ -103,3 +103,36 @@ def test_causal_work_is_the_pairs_a_top_left_mask_allows(Lq, Lk, monkeypatch):
     monkeypatch.setattr(bench, "attention", lambda q, k, v, mask, **kw: masks.append(mask))
     bench._qkv_impl(w, "numpy")()()
     np.testing.assert_array_equal(masks[0].materialize(Lq, Lk), allowed)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--shape", "1,4,2,1,4096,16", "--causal"], "--causal is top-left aligned .* would read only its first Lq keys"),
+    (["--shape", "1,2,64,16", "--sweep", "--json", "same.png", "--plot", "same.png"],
+     "--json and --plot name one file: the plot would overwrite the JSON"),
+])
+def test_options_that_would_mislead_are_refused(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", *argv])
+    assert exc.value.code == 2 and message.split(" .* ")[0] in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_causal_decoding_shape_with_its_backward_runs_rated_in_flops(tmp_path):
+    """With --backward the shape is no decoding step (flops, not bytes): --causal is fine there."""
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--shape", "1,2,1,1,1024,16", "--causal", "--backward", "--repeats", "1", "--no-peers"]
+    assert cli.main([*argv, "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert rows and all(r["unit"] == "GFLOP/s" for r in rows if r["error"] is None)
+
+
+def test_peak_memory_is_left_out_where_the_resident_set_cannot_be_read(monkeypatch):
+    """tracemalloc, the fallback, sees no torch or native memory: no number beats a wrong one."""
+    from qkv import _memory
+
+    monkeypatch.setattr(_memory, "_reset_peak", lambda: False)
+    assert bench._peak_mib(lambda: None, "cpu") is None
+    monkeypatch.undo()
+    if _memory._reset_peak():  # Linux: the resident set's growth, written pages counted
+        assert bench._peak_mib(lambda: np.ones(16 * 2**20, np.float32), "cpu") >= 60

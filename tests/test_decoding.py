@@ -201,10 +201,13 @@ def test_torch_module_converted_after_its_cache_was_made():
     mha = qt.MultiHeadAttention(16, 4)
     cache = mha.init_cache(1, 4)  # float32
     mha.double()
-    with torch.no_grad(), pytest.raises(TypeError, match="query has dtype torch.float64 but the cache holds "
-                                                         "torch.float32"):
+    with torch.no_grad(), pytest.raises(TypeError, match=r"the cache holds torch.float32 but the module's parameters "
+                                                         r"are torch.float64; make a new cache with init_cache"):
         mha(torch.zeros(1, 2, 16, dtype=torch.float64), cache=cache)
     assert cache.length == 0
+    mha.float()  # back to the cache's dtype: the old message, which converting the query follows
+    with torch.no_grad(), pytest.raises(TypeError, match="query has dtype torch.float64 but the module's"):
+        mha(torch.zeros(1, 2, 16, dtype=torch.float64), cache=cache)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -250,6 +253,14 @@ def test_cache_errors(kind):
 def test_kv_cache_checks_its_arrays():
     with pytest.raises(TypeError, match="NumPy arrays or torch tensors"):
         KVCache([0], [0])
+    with pytest.raises(TypeError, match="keys and values must be of one kind and dtype; got ndarray float32 and "
+                                        "ndarray float64"):
+        KVCache(np.zeros((1, 1, 4, 2), np.float32), np.zeros((1, 1, 4, 2)))
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match="got ndarray float32 and Tensor torch.float32"):
+        KVCache(np.zeros((1, 1, 4, 2), np.float32), torch.zeros(1, 1, 4, 2))
+    with pytest.raises(ValueError, match="keys and values must be on one device; got cpu and meta"):
+        KVCache(torch.zeros(1, 1, 4, 2), torch.zeros(1, 1, 4, 2, device="meta"))
     with pytest.raises(ValueError, match=r"shape \(B, Hkv, max_len, depth\)"):
         KVCache(np.zeros((1, 2, 3)), np.zeros((1, 2, 3)))
     cache = KVCache(np.zeros((1, 1, 4, 2), dtype=np.float32), np.zeros((1, 1, 4, 2), dtype=np.float32))

@@ -469,3 +469,38 @@ def test_the_backward_writes_gradients_only_in_qs_dtype_or_float32(q_dtype, grad
     with pytest.raises(ValueError, match="dq, dk and dv must have one dtype: q's, or float32"):
         _native.backward(q, q, q, q, rows, rows, *(torch.empty(1, 1, 8, 4, dtype=g) for g in grads), 0.5,
                          64, 128, 1, None, None, None, None, None, None, 0.0, None)
+
+
+def test_sizes_beyond_the_kernels_int_range_are_refused():
+    """Keys of stride 0 (no memory) past 2^31 - 1024: the kernel counts sizes in int, so the
+    backend refuses them by name and the binding refuses them too (both wrapped before)."""
+    from qkv.backends.native import MAX_SIZE, _native
+
+    q = np.ones((1, 1, 1, 8), np.float32)
+    k = np.broadcast_to(np.ones(8, np.float32), (1, 1, MAX_SIZE + 1, 8))
+    with pytest.raises(dispatch.BackendError, match=r"a size above 2147482624 \(the kernel counts in 32-bit ints\)"):
+        qkv.attention(q, k, k, backend="native")
+    assert native.unsupported(inputs.prepare(q, k[:, :, :MAX_SIZE], k[:, :, :MAX_SIZE])) == []
+    with pytest.raises(ValueError, match=r"a size above 2\^31 - 1024"):
+        _native.forward(q, k, k, np.empty((1, 1, 1, 8), np.float32), None, 1.0, 64, 128, 1,
+                        None, None, None, None, None, None, 0.0, None)
+
+
+def test_a_lazily_negated_view_is_read_with_its_sign():
+    """torch's negative bit (a lazy negation) does not travel through DLPack: it is applied first."""
+    q, k, v = _inputs(SHAPES["odd"])
+    negated = torch._neg_view(q)
+    assert negated.is_neg()
+    want = qkv.attention(-q, k, v, backend="native")
+    assert torch.equal(qkv.attention(negated, k, v, backend="native"), want)
+    assert torch.equal(qkv.attention(q, torch._neg_view(k), v, backend="native"),
+                       qkv.attention(q, -k, v, backend="native"))
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.3])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_scale_of_zero_or_below_with_a_mask(scale, dtype):
+    """Masked keys stay out and the largest scaled score leads for any scale. 64 queries a KV
+    head: bfloat16 takes the AMX tiles where they run, whose softmax folds the scale in."""
+    q, k, v = _inputs((1, 2, 1, 64, 300, 64, 64), getattr(torch, dtype))
+    check_backend("native", (q, k, v), tuple(to64(x) for x in (q, k, v)), dtype, mask=qkv.causal(), scale=scale)

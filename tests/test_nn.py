@@ -300,9 +300,16 @@ def test_bad_inputs():
         (ValueError, "key must have shape", dict(query=x, key=np.zeros((2, 5, 15)))),
         (ValueError, "same batch size", dict(query=x, key=x[:1])),
         (ValueError, r"key and value must have the same \(batch, length\)", dict(query=x, key=x, value=x[:, :3])),
-        (TypeError, "floating dtype", dict(query=np.zeros((2, 5, 16), dtype=int))),
+        (TypeError, "query must have dtype float64, float32 or float16, got int64",
+         dict(query=np.zeros((2, 5, 16), dtype=int))),
+        (TypeError, "key is a masked array: its mask would not be applied",
+         dict(query=x, key=np.ma.masked_array(x, mask=x > 0))),
+        (TypeError, r"query has non-native byte order \(>f8\)", dict(query=x.astype(">f8"))),
         (TypeError, "query must be a numpy.ndarray, got list", dict(query=[[0.0]])),
     ]
+    if np.dtype(np.longdouble).itemsize > 8:  # where long double is wider than float64
+        cases.append((TypeError, f"query must have dtype float64, float32 or float16, got {np.dtype(np.longdouble)}",
+                      dict(query=np.zeros((2, 5, 16), dtype=np.longdouble))))
     for error, match, kwargs in cases:
         with pytest.raises(error, match=match):
             mha(**kwargs)

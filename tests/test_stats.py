@@ -192,6 +192,21 @@ def test_nan_in_an_allowed_input_propagates():
 
 
 @pytest.mark.skipif(torch is None, reason="needs torch")
+def test_nan_weights_lead_the_top_k_on_numpy_as_on_torch():
+    """NumPy's sorts put NaN last, torch's topk first: a NaN row's top weights are NaN on both
+    (not -1 indices and 0 weights, which would read as a row with nothing allowed)."""
+    rng = np.random.default_rng(4)
+    q, k = qk64(rng)
+    q[0, 0, 3, 0] = np.nan
+    got, on_torch = attention_stats(q, k, topk=2), attention_stats(torch.from_numpy(q), torch.from_numpy(k), topk=2)
+    for weights in (got.topk_weights, on_torch.topk_weights.numpy()):
+        assert np.isnan(weights[0, 0, 3]).all() and not np.isnan(np.delete(weights[0, 0], 3, axis=0)).any()
+    assert (got.topk_indices[0, 0, 3] >= 0).all()
+    np.testing.assert_array_equal(np.delete(got.topk_indices[0, 0], 3, axis=0),
+                                  np.delete(on_torch.topk_indices[0, 0].numpy(), 3, axis=0))
+
+
+@pytest.mark.skipif(torch is None, reason="needs torch")
 @pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
 def test_torch_in_torch_out(dtype):
     rng = np.random.default_rng(9)

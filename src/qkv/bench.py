@@ -235,10 +235,12 @@ def _flex_impl(w):
 
 
 # ---- measuring --------------------------------------------------------------------------------
-def _peak_mib(call, device: str) -> float:
-    """Peak memory one call adds, in MiB (resident set on CPU, allocator peak on a GPU)."""
+def _peak_mib(call, device: str) -> float | None:
+    """Peak memory one call adds, in MiB (resident set on CPU, allocator peak on a GPU); None
+    where the resident set cannot be read (tracemalloc would miss torch's and native memory)."""
     if device == "cpu":
-        return peak_growth(call)[1] / 2**20
+        _, grown, how = peak_growth(call)
+        return grown / 2**20 if how == "peak resident set" else None
     import torch
 
     torch.cuda.synchronize()
@@ -390,7 +392,9 @@ def add_arguments(parser) -> None:
                         help="cuda: qkv's triton kernel against torch's flash and cuDNN SDPA and flex_attention; "
                              "the default suite becomes bfloat16 forward and backward at head dims 64 and 128, "
                              "L 512 to 16k")
-    parser.add_argument("--causal", action="store_true", help="--shape workloads are causal")
+    parser.add_argument("--causal", action="store_true",
+                        help="--shape workloads are causal, top-left aligned as torch's is_causal (query i sees keys "
+                             "0..i); not for decoding shapes, whose one query would see one key")
     parser.add_argument("--backward", action="store_true", help="--shape workloads include the backward")
     parser.add_argument("--sweep", action="store_true", help="also sweep the sequence length (for --plot; CPU)")
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed rounds per workload (median reported)")
@@ -415,6 +419,12 @@ def check_arguments(parser, args) -> None:
                          "python -m qkv.bench_distributed takes the ring benchmark's options")
     if args.plot and not (args.sweep and args.device == "cpu"):
         parser.error("--plot needs --sweep on CPU (it plots the sequence-length sweep)")
+    if args.json and args.plot and os.path.realpath(args.json) == os.path.realpath(args.plot):
+        parser.error("--json and --plot name one file: the plot would overwrite the JSON")
+    decoding = [w.name for w in args.shape if w.decoding and w.Lq < w.Lk]  # rated in GB/s of K and V
+    if args.causal and not args.backward and decoding:
+        parser.error(f"--causal is top-left aligned (as torch's is_causal): the decoding shape {decoding[0]} would "
+                     "read only its first Lq keys. A decoding step attends to every cached key: leave out --causal")
     shape_only = [f"--{dest}" for dest in ("dtype", "causal", "backward") if getattr(args, dest)]
     if shape_only and not args.shape:
         parser.error(f"{', '.join(shape_only)} set the --shape workloads; give --shape too (the default suite "

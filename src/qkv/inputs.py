@@ -257,14 +257,20 @@ class AttentionInputs:
                      for x, shape in zip((out, lse), shapes))
 
 
-def _check_tensor(name, x, kind):
+def _listed(names) -> str:
+    """("q", "k", "v") -> "q, k and v"; ("q", "k") -> "q and k"."""
+    return f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def _check_tensor(name, x, kind, names=("q", "k", "v")):
     got = _arrays.kind_of(x)
     if got is None:
         raise TypeError(f"{name} must be a numpy.ndarray or torch.Tensor, got {type(x).__name__}")
     if kind is not None and got != kind:
-        raise TypeError(f"q, k and v must all be NumPy arrays or all torch tensors; q is {kind}, {name} is {got}")
+        raise TypeError(f"{_listed(names)} must all be NumPy arrays or all torch tensors; "
+                        f"{names[0]} is {kind}, {name} is {got}")
     if got == "numpy":
-        _check_plain_numpy(name, x)
+        check_plain_numpy(name, x)
     dtype = dtype_name(x)
     if dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must have a floating dtype ({', '.join(FLOAT_DTYPES)}), got {dtype}")
@@ -273,7 +279,7 @@ def _check_tensor(name, x, kind):
     return got, dtype
 
 
-def _check_plain_numpy(name, x):
+def check_plain_numpy(name, x):
     """NumPy subclasses whose arithmetic differs (a matrix stays 2-D, a masked array's mask
     would be ignored by some backends) and byte orders the kernels do not read."""
     if isinstance(x, np.matrix):
@@ -291,26 +297,30 @@ def check_qkv(q, k, v, names=("q", "k", "v"), heads=True):
     """Validate q, k, v and return their kind (`names` are the caller's argument names).
 
     heads: the inputs are (..., H, L, D); without, (..., L, D) with every leading dim a batch dim.
+    Two names: a call without values (as attention_stats makes), v being k, named alone.
     """
-    nq, nk, nv = names
-    kind, q_dtype = _check_tensor(nq, q, None)
+    nq, nk, nv = names if len(names) == 3 else (*names, names[1])
+    listed = _listed(names)
+    kind, q_dtype = _check_tensor(nq, q, None, names)
     # the common case in one test: k and v then pass every check q passed
     if not (type(q) is type(k) is type(v) and q.dtype == k.dtype == v.dtype and q.ndim == k.ndim == v.ndim):
-        k_dtype, v_dtype = _check_tensor(nk, k, kind)[1], _check_tensor(nv, v, kind)[1]
+        k_dtype, v_dtype = _check_tensor(nk, k, kind, names)[1], _check_tensor(nv, v, kind, names)[1]
         if not q_dtype == k_dtype == v_dtype:
             dtypes = {nq: q_dtype, nk: k_dtype, nv: v_dtype}
-            raise TypeError(f"q, k and v must share one dtype (no silent casts); got {dtypes}")
+            raise TypeError(f"{listed} must share one dtype (no silent casts); got {dtypes}")
     if kind == "torch" and not (q.is_cpu and k.is_cpu and v.is_cpu) and not q.device == k.device == v.device:
-        raise ValueError(f"q, k and v must be on one device; got {q.device}, {k.device}, {v.device}")
+        devices = ", ".join(str(x.device) for x in (q, k, v)[:len(names)])
+        raise ValueError(f"{listed} must be on one device; got {devices}")
     qs, ks, vs = tuple(q.shape), tuple(k.shape), tuple(v.shape)
     if not (q.ndim == k.ndim == v.ndim):
-        raise ValueError(f"q, k and v must have the same number of dims; got shapes q {qs}, k {ks}, v {vs}")
+        shapes = ", ".join(f"{n} {s}" for n, s in dict(zip((nq, nk, nv), (qs, ks, vs))).items())
+        raise ValueError(f"{listed} must have the same number of dims; got shapes {shapes}")
     if ks[-1] != qs[-1]:
-        raise ValueError(f"k's last dim (head dim D) must equal q's: q {qs}, k {ks}")
+        raise ValueError(f"{nk}'s last dim (head dim D) must equal {nq}'s: {nq} {qs}, {nk} {ks}")
     if qs[-1] == 0:
-        raise ValueError(f"the head dim D (last dim of q) must be at least 1, got q {qs}")
+        raise ValueError(f"the head dim D (last dim of {nq}) must be at least 1, got {nq} {qs}")
     if vs[:-1] != ks[:-1]:
-        raise ValueError(f"v must match k in every dim but the last: k {ks}, v {vs}")
+        raise ValueError(f"{nv} must match {nk} in every dim but the last: {nk} {ks}, {nv} {vs}")
     batch_dims = -3 if heads else -2
     if qs[:batch_dims] != ks[:batch_dims]:
         raise ValueError(f"leading (batch) dims of {nq} and {nk} must match exactly (no broadcasting): "
@@ -318,11 +328,11 @@ def check_qkv(q, k, v, names=("q", "k", "v"), heads=True):
     if heads and q.ndim >= 3:
         hq, hkv = qs[-3], ks[-3]
         if q.ndim == 3 and hq != hkv:
-            raise ValueError(f"3-D inputs are (H, L, D) and need equal head counts; got q {qs}, k {ks}. "
+            raise ValueError(f"3-D inputs are (H, L, D) and need equal head counts; got {nq} {qs}, {nk} {ks}. "
                              "Grouped-query attention needs 4-D inputs (B, H, L, D)")
         if hkv == 0 and hq != 0 or hkv and hq % hkv:
-            raise ValueError(f"q's heads ({hq}) must be a multiple of k's heads ({hkv}) "
-                             f"(grouped-query attention): q {qs}, k {ks}")
+            raise ValueError(f"{nq}'s heads ({hq}) must be a multiple of {nk}'s heads ({hkv}) "
+                             f"(grouped-query attention): {nq} {qs}, {nk} {ks}")
     return kind
 
 
@@ -331,12 +341,7 @@ def check_seed_mask(mask, query, key):
     if _arrays.kind_of(mask) is None:
         raise TypeError(f"mask must be a numpy.ndarray or torch.Tensor (0 = masked), got {type(mask).__name__}")
     target = tuple(query.shape[:-1]) + (key.shape[-2],)
-    try:
-        np.broadcast_shapes(tuple(mask.shape), target)
-        fits = mask.ndim <= len(target)
-    except ValueError:
-        fits = False
-    if not fits:
+    if not broadcasts_to(tuple(mask.shape), target):
         raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to (batch, seq_q, seq_k) = {target}")
 
 

@@ -37,6 +37,11 @@ class KVCache:
         if keys.ndim != 4 or tuple(keys.shape) != tuple(values.shape):
             raise ValueError(f"keys and values must both have shape (B, Hkv, max_len, depth); "
                              f"got {tuple(keys.shape)} and {tuple(values.shape)}")
+        if _arrays.kind_of(keys) != _arrays.kind_of(values) or keys.dtype != values.dtype:
+            raise TypeError(f"keys and values must be of one kind and dtype; got {type(keys).__name__} "
+                            f"{keys.dtype} and {type(values).__name__} {values.dtype}")
+        if _arrays.is_torch(keys) and keys.device != values.device:
+            raise ValueError(f"keys and values must be on one device; got {keys.device} and {values.device}")
         self.keys = keys  # (B, Hkv, T, depth)
         self.values = values  # (B, Hkv, T, depth)
         self.length = 0

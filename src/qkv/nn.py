@@ -214,6 +214,9 @@ class AttentionCore:
         # An uncached call promotes (a float64 query through float32 weights gives float64), but
         # the cache was allocated up front and cannot widen: refuse rather than round the new keys
         # and values down to the cache's dtype.
+        if cache.keys.dtype != self.W_k.dtype:  # the module was converted after init_cache
+            raise TypeError(f"the cache holds {cache.keys.dtype} but the module's parameters are {self.W_k.dtype}; "
+                            f"make a new cache with init_cache(batch_size, max_len) after converting the module")
         if _projected_dtype(query, self.W_k) != cache.keys.dtype:
             raise TypeError(f"query has dtype {query.dtype} but the cache holds {cache.keys.dtype} (init_cache "
                             f"makes it in the module's dtype); convert the query to {cache.keys.dtype}, or "
@@ -227,14 +230,16 @@ class AttentionCore:
             other = "qkv.torch.MultiHeadAttention" if kind == "torch" else "qkv.MultiHeadAttention"
             raise TypeError(f"{name} must be a {_KIND_NAMES[self._kind]}, got a {_KIND_NAMES[kind]}; "
                             f"for {kind} inputs use {other}")
+        if kind == "numpy":
+            inputs.check_plain_numpy(name, x)
         if x.ndim != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"{name} must have shape (batch, length, d_model={self.d_model}), "
                              f"got {tuple(x.shape)}")
         self._check_dtype(name, x)
 
     def _check_dtype(self, name, x):
-        if not np.issubdtype(x.dtype, np.floating):
-            raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
+        if x.dtype.name not in inputs.FLOAT_DTYPES:  # NumPy has no bfloat16: float64, float32 or float16
+            raise TypeError(f"{name} must have dtype float64, float32 or float16, got {x.dtype}")
 
     def _state_items(self):
         """(name, array) for every parameter, in state_dict order."""

@@ -85,6 +85,7 @@ def attention_stats(q, k, mask=None, topk=0, *, score_mod=None, scale=None) -> A
     >>> s = qkv.attention_stats(q, k, qkv.causal(), topk=3)
     >>> s.entropy.shape, s.topk_indices.shape          # (..., Hq, Lq), (..., Hq, Lq, 3)
     """
+    inputs.check_qkv(q, k, k, names=("q", "k"))  # errors name q and k only: the values below are made from k
     inp = inputs.prepare(q, k, _dummy_values(k), mask, score_mod=score_mod, scale=scale)
     topk = inputs.check_nonnegative_int("topk", topk)
     if topk > inp.Lk:
@@ -96,10 +97,7 @@ def attention_stats(q, k, mask=None, topk=0, *, score_mod=None, scale=None) -> A
 
 
 def _dummy_values(k):
-    """Values of width 1 (the first column of k) for an lse-only attention call; k itself when
-    it is not an array of at least 2 dims (so that validation names k in its error)."""
-    if _arrays.kind_of(k) is None or k.ndim < 2:
-        return k
+    """Values of width 1 (the first column of k, checked already) for an lse-only attention call."""
     return k[..., :1]
 
 
@@ -332,9 +330,10 @@ def _largest(values, indices, n: int):
     if _arrays.is_torch(values):
         top, where = values.topk(n, dim=-1)
         return top, indices.gather(-1, where)
-    where = np.argpartition(-values, n - 1, axis=-1)[..., :n]
-    top = np.take_along_axis(values, where, -1)
-    order = np.argsort(-top, axis=-1, kind="stable")
+    # NaN first, as torch's topk ranks it (NumPy's sorts put it last): a NaN weight propagates
+    descending = np.where(np.isnan(values), -np.inf, -values)
+    where = np.argpartition(descending, n - 1, axis=-1)[..., :n]
+    order = np.argsort(np.take_along_axis(descending, where, -1), axis=-1, kind="stable")
     where = np.take_along_axis(where, order, -1)
     return np.take_along_axis(values, where, -1), np.take_along_axis(indices, where, -1)
 

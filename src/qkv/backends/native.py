@@ -68,6 +68,8 @@ FEW_QUERIES = {"float32": 8, "bfloat16": 32}
 
 #: The most threads QKV_NUM_THREADS may ask for.
 MAX_THREADS = 1024
+#: The kernel counts sizes in int, rounding them up to whole tiles: binding.cc's MAX_SIZE.
+MAX_SIZE = 2**31 - 1024
 
 
 def default_threads() -> int:
@@ -118,6 +120,8 @@ class NativeBackend(Backend):
         reasons = inline_score_mod_reasons(inp, (Alibi, Bias, Softcap), "the native kernel")
         if inp.kind == "numpy" and any(s % x.itemsize for x in (inp.q, inp.k, inp.v) for s in x.strides):
             reasons.append("strides that are not whole elements (a field of a structured array)")
+        if max(max(x.shape) for x in (inp.q, inp.k, inp.v)) > MAX_SIZE:
+            reasons.append(f"a size above {MAX_SIZE} (the kernel counts in 32-bit ints)")
         return reasons
 
     def on_amx(self, inp):
@@ -219,7 +223,8 @@ def _for_kernel(*arrays):
     if not _arrays.is_torch(arrays[0]):
         return arrays
     to_dlpack = sys.modules["torch"].utils.dlpack.to_dlpack  # torch is loaded: it made them
-    return [a if a is None else to_dlpack(a) for a in arrays]
+    # DLPack carries no negative bit (a lazy negation of a view): resolve_neg applies it
+    return [a if a is None else to_dlpack(a.resolve_neg()) for a in arrays]
 
 
 def _empty(kind, dtype, shape):
