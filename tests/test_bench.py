@@ -136,3 +136,14 @@ def test_peak_memory_is_left_out_where_the_resident_set_cannot_be_read(monkeypat
     monkeypatch.undo()
     if _memory._reset_peak():  # Linux: the resident set's growth, written pages counted
         assert bench._peak_mib(lambda: np.ones(16 * 2**20, np.float32), "cpu") >= 60
+
+
+@pytest.mark.parametrize("Hkv, passed", [(2, {"is_causal": False}), (1, {"is_causal": False, "enable_gqa": True})])
+def test_torch_sdpa_is_asked_for_gqa_only_where_heads_are_grouped(Hkv, passed, monkeypatch):
+    """torch 2.4 (which the torch extra accepts) has no enable_gqa: equal heads leave it out."""
+    import torch.nn.functional as F
+
+    calls = []
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, k, v, **kw: calls.append(kw))
+    bench._torch_sdpa_impl(bench.Workload("w", 1, 2, Hkv, 4, 4, 8))()()
+    assert calls == [passed]

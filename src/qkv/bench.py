@@ -190,10 +190,11 @@ def _torch_sdpa_impl(w, kernel: str | None = None):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         q, k, v = _inputs(w, "torch", w.backward)
+        gqa = {"enable_gqa": True} if w.Hq != w.Hkv else {}  # only where needed: torch 2.4 has no such argument
 
         def run():
             # torch's is_causal is top-left aligned, as qkv's peers are given (see _qkv_impl)
-            return F.scaled_dot_product_attention(q, k, v, is_causal=w.causal, enable_gqa=w.Hq != w.Hkv)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=w.causal, **gqa)
 
         def run_pinned():
             with sdpa_kernel(getattr(SDPBackend, kernel)):
