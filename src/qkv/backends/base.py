@@ -147,8 +147,10 @@ def _attention_function():
         @staticmethod
         def jvp(ctx, *tangents):
             raise NotImplementedError("qkv.attention has no forward-mode derivative on this backend "
-                                      "(torch.autograd.forward_ad, torch.func.jvp); backend='torch' without "
-                                      "requires_grad inputs computes it with torch's own operations")
+                                      "(torch.autograd.forward_ad, torch.func.jvp) while it records gradients; "
+                                      "under torch.no_grad(), or with inputs that do not require grad, the "
+                                      "automatic choice (backend='torch') computes it with torch's own operations "
+                                      "(the modules' calls too)")
 
     _function = Attention
     return _function
