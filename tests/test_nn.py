@@ -315,8 +315,10 @@ def test_bad_inputs():
             mha(**kwargs)
     with pytest.raises(TypeError, match=r"call expects a list \[Q, K, V\]"):
         mha.call([x, x])
-    with pytest.raises(ValueError, match="does not broadcast"):
+    with pytest.raises(ValueError, match=r"a 3-D mask \(3, 5, 5\) is ambiguous: give it 4-D, \(B, 1, Lq, Lk\)"):
         mha(x, mask=np.ones((3, 5, 5), dtype=bool))
+    with pytest.raises(ValueError, match="does not broadcast"):
+        mha(x, mask=np.ones((3, 1, 5, 5), dtype=bool))
 
 
 def test_torch_tensor_points_to_the_torch_module():

@@ -329,3 +329,19 @@ def test_from_torch_masks():
         qt.from_torch_masks(torch.zeros(2, 2, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"key_padding_mask must have shape \(B, S\)"):
         qt.from_torch_masks(key_padding_mask=torch.zeros(2, dtype=torch.bool))
+
+
+def test_a_3d_mask_tensor_is_refused_as_ambiguous_and_4d_ones_mean_what_they_say():
+    """(B, L, S) could be batch rows (the seed function's masks) or heads (broadcasting) or
+    torch's (B * H, L, S): with B == H the wrong reading would run silently, so it is refused."""
+    torch.manual_seed(0)
+    mha = qt.MultiHeadAttention(8, 2, dtype=torch.float64)
+    x = torch.randn(2, 3, 8, dtype=torch.float64)
+    per_row = torch.ones(2, 3, 3, dtype=torch.bool)
+    per_row[1, :, 2] = False  # batch row 1 sees keys 0 and 1 only
+    with pytest.raises(ValueError, match=r"a 3-D mask \(2, 3, 3\) is ambiguous"):
+        mha(x, mask=per_row)
+    out = mha(x, mask=per_row[:, None])[0]
+    np.testing.assert_allclose(np64(out[1]), np64(mha(x[1:], x[1:, :2])[0][0]), **TIGHT)
+    np.testing.assert_allclose(np64(out[0]), np64(mha(x[:1])[0][0]), **TIGHT)
+    assert mha(x, mask=per_row[:1])[0].shape == (2, 3, 8)  # one row for every batch row: not ambiguous

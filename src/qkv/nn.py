@@ -157,6 +157,7 @@ class AttentionCore:
     def _attend(self, query, key, value, mask, need_weights, cache, dropout_p, score_mod):
         """(output (B, Lq, d_model), weights (B, Hq, Lq, Lk) or None)."""
         query, key, value = self._check_inputs(query, key, value, cache)
+        _check_mask_array(mask)
         q = self._split_heads(self._project(query, "q"), self.num_heads)  # (B, Hq, Lq, depth)
         k = self._split_heads(self._project(key, "k"), self.num_kv_heads)  # (B, Hkv, Lk, depth)
         v = self._split_heads(self._project(value, "v"), self.num_kv_heads)  # (B, Hkv, Lk, depth)
@@ -270,6 +271,15 @@ def _check_batch_size(batch_size, actual):
         raise ValueError(f"batch_size ({batch_size}) does not match the batch dim of x ({actual})")
 
 
+def _check_mask_array(mask):
+    """A 3-D mask array (n, Lq, Lk) with n > 1 would broadcast as per head: refused, as its
+    author may have meant batch rows (seed function) or batch x heads (torch.nn.MultiheadAttention)."""
+    if _arrays.kind_of(mask) is not None and mask.ndim == 3 and mask.shape[0] > 1:
+        raise ValueError(f"a 3-D mask {tuple(mask.shape)} is ambiguous: give it 4-D, (B, 1, Lq, Lk) for batch "
+                         f"rows (mask[:, None]) or (1, num_heads, Lq, Lk) for heads (mask[None]); "
+                         f"torch.nn.MultiheadAttention's (B * num_heads, Lq, Lk) goes through from_torch_masks")
+
+
 def _with_causal(mask, score_mod, q, cached: int):
     """The user's mask (any of the mask language) and the bottom-right causal mask, for a call
     after `cached` positions. Masks and score rules describe the whole sequence: the call's
@@ -351,7 +361,8 @@ class MultiHeadAttention(AttentionCore):
                 (self-attention), value=None means key.
             mask: any mask of the mask language (``qkv.causal()``, ``qkv.padding(lengths)``,
                 ...), a boolean array broadcastable to (B, num_heads, Lq, Lk) (True = attend),
-                or a float array added to the scores.
+                or a float array added to the scores. A 3-D array (n > 1, Lq, Lk) is refused
+                as ambiguous (batch rows or heads?): give it 4-D.
             need_weights: also return the attention weights (B, num_heads, Lq, Lk).
             cache: a KVCache from ``init_cache``: self-attention over the cached tokens and
                 these ones, with the bottom-right causal mask (combined with ``mask``).
