@@ -103,10 +103,13 @@ def _mask_for_the_numpy_estimate(name, L, ids):
 
 
 @pytest.mark.parametrize("shape,dtype", [((1, 2, 2, 3000), "float32"), ((2, 4, 2, 1500), "float64")])
-@pytest.mark.parametrize("mask_name", ["none", "causal", "document", "dense", "mask_fn", "~mask_fn | causal"])
-def test_explain_bounds_the_numpy_backends_extra_memory_with_every_kind_of_mask(shape, dtype, mask_name):
+@pytest.mark.parametrize("mask_name,dropout_p", [(name, 0.0) for name in ("none", "causal", "document", "dense",
+                                                                          "mask_fn", "~mask_fn | causal")]
+                         + [("none", 0.2), ("causal", 0.2)])
+def test_explain_bounds_the_numpy_backends_extra_memory_with_every_kind_of_mask(shape, dtype, mask_name, dropout_p):
     """What explain says the numpy backend holds is at least what it holds (traced allocations
-    beyond the output), and not more than 2.5 times that: masked tiles and a user's rule too."""
+    beyond the output), and not more than 2.5 times that: masked tiles, a user's rule and
+    dropout's hash too."""
     import tracemalloc
 
     import numpy as np
@@ -119,11 +122,11 @@ def test_explain_bounds_the_numpy_backends_extra_memory_with_every_kind_of_mask(
     k, v = (rng.standard_normal((B, Hkv, L, 64)).astype(dtype) for _ in range(2))
     ids = np.repeat(np.arange(4), L // 4 + 1)[:L][None].repeat(B, 0)
     mask = _mask_for_the_numpy_estimate(mask_name, L, ids)
-    said = qkv.explain(q, k, v, mask, backend="numpy").workspace_bytes
+    said = qkv.explain(q, k, v, mask, backend="numpy", dropout_p=dropout_p).workspace_bytes
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
-        out = qkv.attention(q, k, v, mask, backend="numpy")
+        out = qkv.attention(q, k, v, mask, backend="numpy", dropout_p=dropout_p, seed=1)
         held = tracemalloc.get_traced_memory()[1] - before - out.nbytes
     finally:
         tracemalloc.stop()

@@ -302,6 +302,15 @@ def nbytes(dtype: str) -> int:
     return {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}[dtype]
 
 
+def dropout_bytes_per_score(inp, int64_words: int, float_copies: int) -> int:
+    """Dropout's temporaries per score of a tile: the hash's int64 words alive at once, the
+    keep mask, and copies of a tile in the compute dtype (the keep mask as floats, scaled,
+    the dropped weights). How many of each a backend holds at once: measured, see its callers."""
+    if inp.dropout_p == 0:
+        return 0
+    return inp.group * (8 * int64_words + 1 + float_copies * nbytes(compute_dtype_name(inp.dtype)))
+
+
 def tile_workspace(rows_at_once: int, block_q: int, block_k: int, group: int, d: int, dv: int, dtype: str) -> int:
     """Bytes of a tiled kernel's live temporaries: score tiles (x3 for exp/mask), accumulators."""
     c = nbytes(compute_dtype_name(dtype))

@@ -11,7 +11,8 @@ import numpy as np
 
 from .._threads import available_cpus, parallel_map
 from ..masks import EMPTY, runs_user_rule
-from .base import Backend, Capabilities, cdiv, compute_dtype_name, nbytes, row_tile_classes, tile_workspace
+from .base import (Backend, Capabilities, cdiv, compute_dtype_name, dropout_bytes_per_score, nbytes, row_tile_classes,
+                   tile_workspace)
 from .tiling import TileRule, partial_flags
 
 class NumpyBackend(Backend):
@@ -71,7 +72,9 @@ class NumpyBackend(Backend):
         workers = min(available_cpus(), max(1, inp.B * inp.Hkv * cdiv(inp.Lq, self.block_q)))
         tiles = tile_workspace(workers, self.block_q, self.block_k, inp.group, inp.D, inp.Dv, inp.dtype)
         lse = inp.B * inp.Hq * inp.Lq * (8 if inp.dtype == "float64" else 4)
-        return tiles + lse + workers * self.block_q * self.block_k * self._mask_bytes_per_score(inp)
+        # dropout: 13 bytes a score traced in float32, 16 in float64 (test_memory); counted 21 and 25
+        per_score = self._mask_bytes_per_score(inp) + dropout_bytes_per_score(inp, int64_words=2, float_copies=1)
+        return tiles + lse + workers * self.block_q * self.block_k * per_score
 
     @staticmethod
     def _mask_bytes_per_score(inp) -> int:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..masks import EMPTY
-from .base import (Backend, Capabilities, autograd_attention, cdiv, compute_dtype_name, row_tile_classes,
+from .base import (Backend, Capabilities, autograd_attention, cdiv, compute_dtype_name, dropout_bytes_per_score,
+                   row_tile_classes,
                    tile_workspace)
 from .tiling import TileRule, partial_flags
 
@@ -226,4 +227,7 @@ class TorchBackend(Backend):
         rows = inp.B * inp.Hkv
         block_q, block_k = choose_blocks(rows, inp.group, inp.Lq, inp.Lk)
         lse = inp.B * inp.Hq * inp.Lq * (8 if inp.dtype == "float64" else 4)
-        return tile_workspace(rows, block_q, block_k, inp.group, inp.D, inp.Dv, inp.dtype) + lse
+        # dropout's temporaries, on the high side (B=1, H=4, 1024 x 2048: 23 bytes a score held
+        # in float32, 60 in float64; counted 49 and 65)
+        dropout = rows * block_q * block_k * dropout_bytes_per_score(inp, int64_words=4, float_copies=4)
+        return tile_workspace(rows, block_q, block_k, inp.group, inp.D, inp.Dv, inp.dtype) + lse + dropout
