@@ -405,6 +405,14 @@ def test_trainable_tensors_in_score_modifiers_are_refused_not_left_without_gradi
         qkv.explain(q, TK, TV, score_mod=qkv.alibi(slopes), backend=backend)
     with torch.no_grad():  # nothing to differentiate: the rule runs
         assert qkv.attention(q, TK, TV, score_mod=relative, backend="torch").shape == (B, HQ, LQ, 3)
+    bias = torch.randn(HQ, LQ, LK, requires_grad=True)  # a learned bias given as the float mask
+    with pytest.raises(ValueError, match="float mask that requires grad"):
+        qkv.attention(q, TK, TV, bias, backend=backend)
+    for no_gradients in (torch.no_grad, torch.inference_mode):  # evaluation: the bias is read as it is
+        with no_gradients():
+            got = qkv.attention(q, TK, TV, bias, backend=backend)
+        want = qkv.attention(q.detach(), TK, TV, bias.detach(), backend="reference")
+        assert (got - want).abs().max() < 1e-5
     # the way the message gives: the explicit weights record the rule
     (qkv.attention_weights(q, TK, score_mod=relative) @ TV.repeat_interleave(2, dim=1)).sum().backward()
     assert learned.grad is not None and learned.grad.abs().sum() > 0

@@ -383,7 +383,7 @@ def as_mask(mask, kind, dtype, records_graph=False):
     if mdtype in FLOAT_DTYPES:
         if mdtype != dtype:
             raise TypeError(f"a float mask (additive bias) must have q's dtype {dtype}, got {mdtype}")
-        if got == "torch" and mask.requires_grad and not records_graph:
+        if got == "torch" and mask.requires_grad and _arrays.grad_enabled() and not records_graph:
             raise ValueError("a float mask that requires grad is not supported: qkv gives no gradient "
                              "for the bias; pass mask.detach(), or differentiate through "
                              "qkv.attention_weights(q, k, mask) @ v, which records the formula")
