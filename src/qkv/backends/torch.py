@@ -11,8 +11,7 @@ import numpy as np
 
 from ..masks import EMPTY
 from .base import (Backend, Capabilities, autograd_attention, cdiv, compute_dtype_name, dropout_bytes_per_score,
-                   row_tile_classes,
-                   tile_workspace)
+                   row_tile_classes, tile_workspace)
 from .tiling import TileRule, partial_flags
 
 #: Score-tile elements (all rows together) the kernel aims for: big tiles mean fewer
