@@ -2,7 +2,8 @@
 
 Shape legend (everywhere in qkv):
     q   (..., Hq, Lq, D)     queries      ... = batch dims, matched exactly by k and v
-    k   (..., Hkv, Lk, D)    keys         Hq must be a multiple of Hkv (grouped-query attention)
+    k   (..., Hkv, Lk, D)    keys         with 4 or more dims Hq may be a multiple of Hkv (grouped-
+                                          query attention); 3-D (H, L, D) inputs have equal heads
     v   (..., Hkv, Lk, Dv)   values
     out (..., Hq, Lq, Dv)    lse (..., Hq, Lq)    weights (..., Hq, Lq, Lk)
 """
@@ -26,7 +27,8 @@ def attention(q, k, v, mask=None, *, score_mod=None, scale=None, dropout_p=0.0, 
             bfloat16 or float16), shapes in the legend above; 2-D (L, D) inputs are one head.
         mask: None; a qkv mask (``qkv.causal() & qkv.padding(lengths)``, ...); a boolean
             array broadcastable to (..., Hq, Lq, Lk), True = attend; or a float array of
-            q's dtype, added to the scores (a bias).
+            q's dtype, added to the scores (a bias; one that requires grad is refused while
+            gradients are recorded: qkv gives it no gradient).
         score_mod: a score modifier (``qkv.alibi``, ``qkv.softcap``, ``qkv.score_fn``)
             or a list of them, applied in order to the scaled scores.
         scale: multiplies q·kᵀ; default 1/sqrt(D).

@@ -395,7 +395,8 @@ def add_arguments(parser) -> None:
                              "L 512 to 16k")
     parser.add_argument("--causal", action="store_true",
                         help="--shape workloads are causal, top-left aligned as torch's is_causal (query i sees keys "
-                             "0..i); not for decoding shapes, whose one query would see one key")
+                             "0..i); refused for decoding shapes (forward, Lq <= 16, Lk >= 1024: rated by the K and V "
+                             "they read, of which they would read Lq keys)")
     parser.add_argument("--backward", action="store_true", help="--shape workloads include the backward")
     parser.add_argument("--sweep", action="store_true", help="also sweep the sequence length (for --plot; CPU)")
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed rounds per workload (median reported)")

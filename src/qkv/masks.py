@@ -152,7 +152,8 @@ class Mask:
         """The mask as a boolean array of shape (*batch, heads, Lq, Lk).
 
         The batch and heads dims are present only when given (batch may be an int or a
-        tuple); ``materialize(Lq, Lk)`` gives (Lq, Lk) for batch row 0, head 0.
+        tuple); ``materialize(Lq, Lk)`` gives (Lq, Lk) for a mask whose data has one batch
+        row (lengths or ids of more rows need ``batch=``, then index the row).
         """
         _check_sizes(Lq, Lk, 1 if heads is None else heads)
         batch_shape = () if batch is None else (int(batch),) if isinstance(batch, numbers.Integral) else tuple(batch)

@@ -56,7 +56,8 @@ class AttentionStats:
         lse: (..., Hq, Lq) the log-sum-exp of each row's scores (-inf for a row with no key).
         topk_indices: (..., Hq, Lq, topk) int64, the keys with the largest weights, largest
             first; -1 where a row has fewer than topk allowed keys. None when topk=0.
-        topk_weights: (..., Hq, Lq, topk) their weights (0 where the index is -1).
+        topk_weights: (..., Hq, Lq, topk) their weights (0 where the index is -1; NaN, with
+            real indices, in a row a NaN input reaches).
     """
 
     entropy: object

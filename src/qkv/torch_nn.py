@@ -83,7 +83,8 @@ class MultiHeadAttention(AttentionCore, nn.Module):
                 value=None means key.
             mask: any mask of the mask language (``qkv.causal()``, ``qkv.padding(lengths)``,
                 ...), a boolean tensor broadcastable to (B, H, L, S) (True = attend), or a
-                float tensor added to the scores. Masks of torch.nn.MultiheadAttention
+                float tensor added to the scores (while gradients are recorded, not one that
+                requires grad: qkv gives it no gradient). Masks of torch.nn.MultiheadAttention
                 (True = ignore) convert with ``from_torch_masks``. A 3-D tensor (n > 1, L, S)
                 is refused as ambiguous (batch rows or heads?): give it 4-D.
             need_weights: also return the attention weights (B, H, L, S), before dropout.
