@@ -205,6 +205,8 @@ BAD = [
     pytest.param(lambda: qkv.window(left=4, right="1"), (TypeError, ValueError),
                  r"window right must be a non-negative integer.*got '1'", id="window-right-str"),
     # ---- padding ------------------------------------------------------------------------
+    pytest.param(lambda: qkv.padding(np.array([3, 2**63 + 5], np.uint64)), ValueError,
+                 esc(f"kv_lengths must fit in int64, got {2**63 + 5}"), id="padding-uint64-past-int64"),
     pytest.param(lambda: qkv.padding([3, -1]), ValueError, r"kv_lengths must be non-negative, got \[3, -1\]",
                  id="padding-negative"),
     pytest.param(lambda: qkv.padding([3.0, 2.5]), TypeError, r"kv_lengths must hold integers, got dtype float64",

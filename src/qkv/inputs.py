@@ -73,6 +73,8 @@ def _int_array(name, values, ndim_ok):
         raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
     if arr.ndim not in ndim_ok:
         raise ValueError(f"{name} must have {' or '.join(map(str, ndim_ok))} dims, got shape {arr.shape}")
+    if arr.dtype.kind == "u" and arr.size and arr.max() > np.iinfo(np.int64).max:  # would wrap negative
+        raise ValueError(f"{name} must fit in int64, got {arr.max()}")
     return arr.astype(np.int64)
 
 
