@@ -17,7 +17,7 @@ def test_a_small_run_reports_every_implementation_with_ratios(tmp_path, capsys):
     rows = {r["impl"]: r for r in report["results"]}
     assert {"qkv native", "torch sdpa"} <= set(rows)
     for row in rows.values():
-        assert row["error"] is None and row["seconds"] > 0 and row["unit"] == "GFLOP/s"
+        assert row["error"] is None and row["unit"] == "GFLOP/s"  # times are reported, never asserted
         assert row["rate"] == pytest.approx(4 * 2 * 64 * 64 * 16 / row["seconds"] / 1e9)
     assert rows["torch sdpa"]["ratio_to_torch"] == pytest.approx(1.0)
     assert report["machine"]["torch"] and report["machine"]["qkv"]

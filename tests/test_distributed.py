@@ -458,7 +458,7 @@ def test_benchmark_reports_time_memory_and_bytes():
     kv_bytes_per_rank = 2 * 1 * 128 * 8 * 4  # K and V: Hkv = 1, L/P = 128, D = 8, float32
     assert row["sent_mib_per_rank"] * 2**20 == kv_bytes_per_rank  # one ring step for 2 ranks
     assert row["blocks_per_rank"] == [5, 5] and row["skipped_per_rank"] == [3, 3]  # zigzag causal
-    assert row["single_s"] > 0 and row["ring_s"] > 0 and row["rank_peak_mib"] >= 0
+    assert {"single_s", "ring_s", "rank_peak_mib"} <= set(row)  # times are reported, never asserted
     assert "sent MiB/rank" in format_table(rows, dict(row, layout="zigzag", mask="causal", dtype="float32",
                                                        batch=1, heads=2, kv_heads=1, head_dim=8, backward=False,
                                                        repeat=1))
