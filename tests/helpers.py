@@ -140,3 +140,13 @@ def check_gradients(backend: str, leaves, kwargs, rng):
         bound = 2 * ref_err + ATOL[dtype] * max(1.0, float(np.abs(want).max(initial=0.0)))  # empty grads too
         assert err <= bound, f"d{name}: {err:.3e} > {bound:.3e}"
     assert all(np.isfinite(to64(g)).all() for g in got)
+
+
+def use_small_tiles(patch, block_q: int, block_k: int):
+    """The numpy and torch backends on tiles of at most block_q x block_k, so that small
+    problems take many tiles each way (patch: a pytest MonkeyPatch)."""
+    from qkv.backends import torch as torch_backend
+
+    patch.setattr(dispatch.REGISTRY["numpy"], "block_q", block_q)
+    patch.setattr(dispatch.REGISTRY["numpy"], "block_k", block_k)
+    patch.setattr(torch_backend, "choose_blocks", lambda rows, group, Lq, Lk: (min(block_q, Lq), min(block_k, Lk)))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import qkv
-from helpers import check_backend, check_gradients, to64
+from helpers import check_backend, check_gradients, to64, use_small_tiles
 from qkv import dispatch
 from qkv.backends import torch as torch_backend
 
@@ -36,11 +36,7 @@ MASKS = list(_masks())
 
 @pytest.fixture
 def small_tiles(monkeypatch):
-    numpy_backend = dispatch.REGISTRY["numpy"]
-    monkeypatch.setattr(numpy_backend, "block_q", SMALL_Q)
-    monkeypatch.setattr(numpy_backend, "block_k", SMALL_K)
-    monkeypatch.setattr(torch_backend, "choose_blocks",
-                        lambda rows, group, Lq, Lk: (min(SMALL_Q, Lq), min(SMALL_K, Lk)))
+    use_small_tiles(monkeypatch, SMALL_Q, SMALL_K)
 
 
 def _inputs(seed, grad=False):

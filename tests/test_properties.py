@@ -5,7 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import qkv
-from helpers import REORDER_ATOL, convert, kind_of_backend, precise_dtype, to64
+from helpers import REORDER_ATOL, convert, kind_of_backend, precise_dtype, to64, use_small_tiles
 
 sizes = st.integers(1, 40)
 
@@ -75,16 +75,11 @@ def test_all_true_mask_equals_no_mask(backend, problem):
 def test_tiled_backends_agree_with_the_oracle(problem):
     """On tiles of 4 x 8, so that these sizes take many tiles each way (their own tiles would
     hold the whole problem)."""
-    from qkv import dispatch
-    from qkv.backends import torch as torch_backend
-
     q, k, v, mask, _ = problem
     want = qkv.attention(q, k, v, mask, backend="reference")
     torch = pytest.importorskip("torch")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(dispatch.REGISTRY["numpy"], "block_q", 4)
-        patch.setattr(dispatch.REGISTRY["numpy"], "block_k", 8)
-        patch.setattr(torch_backend, "choose_blocks", lambda rows, group, Lq, Lk: (min(4, Lq), min(8, Lk)))
+        use_small_tiles(patch, 4, 8)
         np.testing.assert_allclose(qkv.attention(q, k, v, mask, backend="numpy"), want, atol=1e-12)
         got = qkv.attention(*(torch.tensor(x) for x in (q, k, v)), mask, backend="torch")
     np.testing.assert_allclose(got.numpy(), want, atol=1e-12)
