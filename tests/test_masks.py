@@ -157,6 +157,18 @@ def test_to_string_of_a_mask_with_more_batch_rows_says_to_pass_batch_size():
     assert "needs one entry per batch row (3), got 2" in str(error.value) and "pass batch_size" not in str(error.value)
 
 
+def test_materialize_of_a_mask_with_more_batch_rows_says_to_pass_batch():
+    mask = qkv.padding([3, 5])
+    with pytest.raises(ValueError, match=r"needs one entry per batch row \(1\), got 2 \(materialized for one batch "
+                                         r"row: if the mask's data holds more, pass batch=\)"):
+        mask.materialize(3, 5)
+    allowed = mask.materialize(3, 5, batch=2)
+    assert allowed.shape == (2, 3, 5) and allowed[0, :, 3:].sum() == 0 and allowed[1].all()
+    with pytest.raises(ValueError) as error:  # batch given: the mask's own error, no advice
+        mask.materialize(3, 5, batch=3)
+    assert "pass batch=" not in str(error.value)
+
+
 MASKS = {
     "causal": lambda: qkv.causal(),
     "causal_top_left": lambda: qkv.causal(align="top_left"),

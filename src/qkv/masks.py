@@ -159,7 +159,13 @@ class Mask:
         batch_shape = () if batch is None else (int(batch),) if isinstance(batch, numbers.Integral) else tuple(batch)
         n_batch, n_heads = math.prod(batch_shape), 1 if heads is None else heads
         geom = Geometry(n_batch, n_heads, Lq, Lk, batch_shape or (1,))
-        self.check(geom)
+        try:
+            self.check(geom)
+        except ValueError as error:
+            if batch is None:  # materialized for one batch row: the mask's data may hold more
+                raise ValueError(f"{error} (materialized for one batch row: if the mask's data holds more, "
+                                 "pass batch=)") from None
+            raise
         probe = np.zeros(0)
         b, h, qi, ki = tile_indices(probe, np.arange(n_batch), np.arange(n_heads), 0, Lq, 0, Lk)
         full = np.broadcast_to(self.allowed(b, h, qi, ki, geom), (n_batch, n_heads, Lq, Lk))
