@@ -423,7 +423,7 @@ def check_arguments(parser, args) -> None:
         parser.error("--plot needs --sweep on CPU (it plots the sequence-length sweep)")
     if args.json and args.plot and os.path.realpath(args.json) == os.path.realpath(args.plot):
         parser.error("--json and --plot name one file: the plot would overwrite the JSON")
-    decoding = [w.name for w in args.shape if w.decoding and w.Lq < w.Lk]  # rated in GB/s of K and V
+    decoding = [w.name for w in args.shape if w.decoding]  # rated in GB/s of K and V
     if args.causal and not args.backward and decoding:
         parser.error(f"--causal is top-left aligned (as torch's is_causal): the decoding shape {decoding[0]} would "
                      "read only its first Lq keys. A decoding step attends to every cached key: leave out --causal")
