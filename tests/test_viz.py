@@ -56,6 +56,25 @@ def test_terminal_heatmap_picks_layer_and_head_and_labels_long_rows():
     assert "mean of heads" in mean and mean != text
 
 
+def test_column_headers_read_down_past_a_hundred_keys():
+    headers = viz._column_headers(121)  # hundreds, tens, units: two characters a key
+    read = lambda j: "".join(line[2 * j] for line in headers).strip()  # noqa: E731
+    assert len(headers) == 3
+    assert [read(j) for j in (0, 7, 10, 20, 100, 110, 120)] == ["0", "7", "10", "20", "100", "110", "120"]
+
+
+def test_labels_given_with_maps_replace_theirs():
+    maps = viz.as_maps(np.full((3, 3), 1 / 3))
+    assert viz.terminal_heatmap(maps, ["x", "y", "z"]).splitlines()[-2] == "keys: 0 x  1 y  2 z"
+    relabelled = viz.as_maps(maps, key_tokens=["k0", "k1", "k2"])
+    assert relabelled.tokens == ["0", "1", "2"] and relabelled.key_tokens == ["k0", "k1", "k2"]
+    assert viz.as_maps(maps) is maps
+    with pytest.raises(ValueError, match="tokens has 1 labels but the weights have 3"):
+        viz.terminal_heatmap(maps, ["only-one"])
+    page = viz.head_view_html(maps, ["x", "y", "z"], head=np.int64(-1))  # NumPy -1: all heads
+    assert _embedded_data(page)["tokens"] == ["x", "y", "z"] and _embedded_data(page)["head"] == -1
+
+
 def test_weights_and_labels_are_checked():
     with pytest.raises(ValueError, match=r"weights must have shape \(Lq, Lk\), \(heads, Lq, Lk\)"):
         viz.terminal_heatmap(np.zeros((1, 1, 1, 2, 2)))

@@ -55,9 +55,10 @@ class AttentionMaps:
 
 
 def as_maps(weights, tokens=None, key_tokens=None) -> AttentionMaps:
-    """Validate weights of shape (Lq, Lk), (heads, Lq, Lk) or (layers, heads, Lq, Lk) and their labels."""
+    """Validate weights of shape (Lq, Lk), (heads, Lq, Lk) or (layers, heads, Lq, Lk) and their labels.
+    Labels given with an AttentionMaps replace its own."""
     if isinstance(weights, AttentionMaps):
-        return weights
+        return _relabelled(weights, tokens, key_tokens)
     if _arrays.kind_of(weights) is None:
         raise TypeError(f"weights must be a numpy.ndarray or torch.Tensor, got {type(weights).__name__}")
     w = _arrays.to_numpy(weights)
@@ -76,6 +77,17 @@ def as_maps(weights, tokens=None, key_tokens=None) -> AttentionMaps:
     if key_tokens is None:
         key_tokens = tokens if Lq == Lk else [str(j) for j in range(Lk)]
     return AttentionMaps(w, tokens, _labels("key_tokens", key_tokens, Lk))
+
+
+def _relabelled(maps: AttentionMaps, tokens, key_tokens) -> AttentionMaps:
+    """maps with the labels given (as as_maps reads them: square maps label keys as queries)."""
+    if tokens is None and key_tokens is None:
+        return maps
+    Lq, Lk = maps.weights.shape[-2:]
+    new_tokens = maps.tokens if tokens is None else _labels("tokens", tokens, Lq)
+    if key_tokens is None:
+        key_tokens = new_tokens if tokens is not None and Lq == Lk else maps.key_tokens
+    return AttentionMaps(maps.weights, new_tokens, _labels("key_tokens", key_tokens, Lk))
 
 
 def _labels(name, labels, n):
@@ -134,12 +146,12 @@ def terminal_heatmap(weights, tokens=None, *, key_tokens=None, layer=0, head=Non
 
 
 def _column_headers(n: int) -> list:
-    """Key positions over two-character columns: a line of tens (when n > 10) over a line of units."""
-    units = "".join(f"{j % 10} " for j in range(n))
-    if n <= 10:
-        return [units]
-    tens = "".join(f"{j // 10 % 10} " if j >= 10 and j % 10 == 0 else "  " for j in range(n))
-    return [tens, units]
+    """Key positions over two-character columns, read downwards: a line of units under lines of
+    tens, hundreds... which show their digit at every tenth key."""
+    places = [10 ** k for k in range(len(str(max(n - 1, 0))) - 1, 0, -1)]  # ..., 100, 10
+    lines = ["".join(f"{j // place % 10} " if j >= place and j % 10 == 0 else "  " for j in range(n))
+             for place in places]
+    return lines + ["".join(f"{j % 10} " for j in range(n))]
 
 
 # --------------------------------------------------------------------------------------
@@ -245,8 +257,8 @@ def head_view_html(weights, tokens=None, *, key_tokens=None, layer=0, head=-1, p
     """
     maps = as_maps(weights, tokens, key_tokens)
     layer = _check_index("layer", layer, maps.layers, "layers")
-    if head != -1:
-        head = _check_index("head (or -1, all heads)", head, maps.heads, "heads")
+    all_heads = isinstance(head, (int, np.integer)) and not isinstance(head, bool) and head == -1
+    head = -1 if all_heads else _check_index("head (or -1, all heads)", head, maps.heads, "heads")
     digits = inputs.check_positive_int("digits", digits)
     data = {
         "title": title or "qkv attention head view",

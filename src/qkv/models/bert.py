@@ -16,7 +16,7 @@ attend, as in BERT; their outputs are never used). Inference only: no dropout.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +52,10 @@ class BertConfig:
                              f"got {data['position_embedding_type']!r}")
         if data.get("hidden_act", "gelu") != "gelu":
             raise ValueError(f"{path}: only hidden_act 'gelu' is supported, got {data['hidden_act']!r}")
+        required = [f.name for f in fields(cls) if f.default is MISSING]
+        missing = [name for name in required if name not in data]
+        if missing:
+            raise ValueError(f"{path}: the config lacks {', '.join(missing)}")
         return cls(**{name: data[name] for name in cls.__dataclass_fields__ if name in data})
 
 
@@ -66,6 +70,9 @@ class Embeddings(nn.Module):
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 
     def forward(self, ids, token_types=None):
+        if ids.shape[1] > self.position.num_embeddings:
+            raise ValueError(f"ids has {ids.shape[1]} tokens a row; the model has positions for "
+                             f"{self.position.num_embeddings} (max_position_embeddings)")
         positions = torch.arange(ids.shape[1], device=ids.device)  # (L,)
         token_types = torch.zeros_like(ids) if token_types is None else token_types
         return self.norm(self.word(ids) + self.position(positions) + self.token_type(token_types))  # (B, L, E)
