@@ -5,7 +5,8 @@ import pytest
 
 import qkv
 from qkv import masks
-from helpers import check_backend, dtypes_of_backend, kind_of_backend, precise_dtype, random_qkv
+from helpers import (check_backend, convert, dtypes_of_backend, kind_of_backend, precise_dtype, random_qkv,
+                     to64)
 
 B, H = 2, 2
 
@@ -149,7 +150,7 @@ def test_to_string_draws_the_mask():
 
 def test_to_string_of_a_mask_with_more_batch_rows_says_to_pass_batch_size():
     mask = qkv.padding([3, 5])
-    with pytest.raises(ValueError, match=r"drawn for 1 batch row: if the mask's data holds more, pass batch_size="):
+    with pytest.raises(ValueError, match=r"drawn for 1 batch row and 1 head: if the mask's data holds more, pass batch_size= or heads="):
         mask.to_string(3, 5)
     assert mask.to_string(3, 5, batch=1, batch_size=2).splitlines()[1:] == ["0 █████", "1 █████", "2 █████"]
     with pytest.raises(ValueError) as error:  # batch_size given: the mask's own error, no advice
@@ -160,13 +161,41 @@ def test_to_string_of_a_mask_with_more_batch_rows_says_to_pass_batch_size():
 def test_materialize_of_a_mask_with_more_batch_rows_says_to_pass_batch():
     mask = qkv.padding([3, 5])
     with pytest.raises(ValueError, match=r"needs one entry per batch row \(1\), got 2 \(materialized for one batch "
-                                         r"row: if the mask's data holds more, pass batch=\)"):
+                                         r"row and one head: if the mask's data holds more, pass batch= or heads=\)"):
         mask.materialize(3, 5)
     allowed = mask.materialize(3, 5, batch=2)
     assert allowed.shape == (2, 3, 5) and allowed[0, :, 3:].sum() == 0 and allowed[1].all()
     with pytest.raises(ValueError) as error:  # batch given: the mask's own error, no advice
         mask.materialize(3, 5, batch=3)
     assert "pass batch=" not in str(error.value)
+
+
+def test_to_string_draws_any_head_of_a_per_head_mask():
+    mask = qkv.dense_mask(np.stack([np.eye(3, dtype=bool), np.ones((3, 3), bool)]))  # (H=2, Lq, Lk)
+    assert mask.to_string(3, 3, head=0, heads=2).splitlines()[1:] == ["0 █··", "1 ·█·", "2 ··█"]
+    assert mask.to_string(3, 3, head=1).splitlines()[1:] == ["0 ███", "1 ███", "2 ███"]
+    with pytest.raises(ValueError, match=r"drawn for 1 batch row and 1 head: .* pass batch_size= or heads="):
+        mask.to_string(3, 3)
+    with pytest.raises(ValueError, match=r"materialized for one head: if the mask's data holds more, pass heads="):
+        mask.materialize(3, 3, batch=1)
+    with pytest.raises(ValueError, match=r"head \(2\) must be less than heads \(2\)"):
+        mask.to_string(3, 3, head=2, heads=2)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+@pytest.mark.parametrize("shape", [(1, 1, 4, 5), (2, 1, 1, 4, 5)])  # the second is copied to fit (2, 3) batch dims
+def test_a_dense_mask_changed_in_place_is_read_as_it_is_now(kind, shape):
+    if kind == "torch":
+        pytest.importorskip("torch")
+    rng = np.random.default_rng(3)
+    (q, k, v), (_, _, v64) = random_qkv(rng, (2, 3, 1, 4, 8), (2, 3, 1, 5, 8), (2, 3, 1, 5, 8), kind, "float64")
+    array = convert(np.ones(shape), kind, "float64") > 0
+    mask = qkv.dense_mask(array)
+    qkv.attention(q, k, v, mask)
+    array[...] = False
+    array[..., 0] = True  # only key 0 now: every output row is v's first
+    out = to64(qkv.attention(q, k, v, mask))
+    np.testing.assert_allclose(out, np.broadcast_to(v64[..., :1, :], out.shape), rtol=1e-12, atol=1e-12)
 
 
 MASKS = {

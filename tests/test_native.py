@@ -501,6 +501,15 @@ def test_a_lazily_negated_view_is_read_with_its_sign():
                        qkv.attention(q, -k, v, backend="native"))
 
 
+@pytest.mark.parametrize("backend", ["native", "reference"])
+def test_a_lazily_negated_bias_is_read_with_its_sign(backend):
+    q, k, v = _inputs(SHAPES["odd"])
+    bias = torch.randn(q.shape[-2], k.shape[-2], generator=torch.Generator().manual_seed(2))
+    negated = torch._neg_view(bias)
+    assert negated.is_neg()
+    assert torch.equal(qkv.attention(q, k, v, negated, backend=backend), qkv.attention(q, k, v, -bias, backend=backend))
+
+
 @pytest.mark.parametrize("scale", [0.0, -0.3])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_scale_of_zero_or_below_with_a_mask(scale, dtype):

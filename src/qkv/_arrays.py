@@ -83,9 +83,16 @@ def to_numpy(x) -> np.ndarray:
     if is_torch(x):
         import torch
 
-        x = x.detach().cpu()
+        x = x.detach().cpu().resolve_neg()  # a lazily negated view: numpy() refuses it
         return (x.float() if x.dtype == torch.bfloat16 else x).numpy()
     return np.asarray(x)
+
+
+def shares_memory(view, base) -> bool:
+    """Whether `view` may read `base`'s memory (so it sees changes made to base in place)."""
+    if is_torch(base):
+        return view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+    return bool(np.may_share_memory(view, base))
 
 
 def arange_like(n: int, x):

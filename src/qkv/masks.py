@@ -72,6 +72,9 @@ def _check_sizes(Lq, Lk, heads):
     inputs.check_nonnegative_int("heads", heads)
 
 
+_WHAT = {"batch": "batch row", "heads": "head"}  # materialize's size arguments, as its hint names them
+
+
 class Mask:
     """Base class of every mask. Subclasses implement ``allowed``."""
 
@@ -133,8 +136,9 @@ class Mask:
 
         `batch` is the number of batch rows or the caller's batch shape (a tuple, flattened).
         Returns an int8 array of shape (batch|1, heads|1, ceil(Lq/block_q), ceil(Lk/block_k));
-        a dim is 1 when the mask does not depend on it. Exact: a tile is EMPTY only if no
-        pair in it is allowed and FULL only if every pair is.
+        a dim is 1 when the mask does not depend on it. Safe: a tile is EMPTY only if no
+        pair in it is allowed and FULL only if every pair is; a tile some rules cannot settle
+        from their parameters (document ids, some combinations) may stay PARTIAL.
         """
         inputs.check_positive_int("block_q", block_q)
         inputs.check_positive_int("block_k", block_k)
@@ -162,9 +166,10 @@ class Mask:
         try:
             self.check(geom)
         except ValueError as error:
-            if batch is None:  # materialized for one batch row: the mask's data may hold more
-                raise ValueError(f"{error} (materialized for one batch row: if the mask's data holds more, "
-                                 "pass batch=)") from None
+            unset = [name for name, value in (("batch", batch), ("heads", heads)) if value is None]
+            if unset:  # materialized for one batch row or head: the mask's data may hold more
+                raise ValueError(f"{error} (materialized for one {' and one '.join(_WHAT[n] for n in unset)}: "
+                                 f"if the mask's data holds more, pass {' or '.join(n + '=' for n in unset)})") from None
             raise
         probe = np.zeros(0)
         b, h, qi, ki = tile_indices(probe, np.arange(n_batch), np.arange(n_heads), 0, Lq, 0, Lk)
@@ -172,21 +177,28 @@ class Mask:
         shape = batch_shape + (() if heads is None else (n_heads,)) + (Lq, Lk)
         return np.ascontiguousarray(full).reshape(shape)
 
-    def to_string(self, Lq: int, Lk: int, *, batch: int = 0, head: int = 0, batch_size: int | None = None) -> str:
+    def to_string(self, Lq: int, Lk: int, *, batch: int = 0, head: int = 0, batch_size: int | None = None,
+                  heads: int | None = None) -> str:
         """Draw the mask for one batch row and head: '█' = attend, '·' = masked.
 
-        batch_size: how many batch rows the mask's data holds (default batch + 1).
+        batch_size: how many batch rows the mask's data holds (default batch + 1);
+        heads: how many heads it holds (default head + 1), as for a per-head dense mask.
         """
         batch, head = inputs.check_nonnegative_int("batch", batch), inputs.check_nonnegative_int("head", head)
         rows = batch + 1 if batch_size is None else inputs.check_positive_int("batch_size", batch_size)
+        n_heads = head + 1 if heads is None else inputs.check_positive_int("heads", heads)
         if batch >= rows:
             raise ValueError(f"batch ({batch}) must be less than batch_size ({rows})")
+        if head >= n_heads:
+            raise ValueError(f"head ({head}) must be less than heads ({n_heads})")
         try:
-            grid = self.materialize(Lq, Lk, batch=rows, heads=head + 1)[batch, head]
+            grid = self.materialize(Lq, Lk, batch=rows, heads=n_heads)[batch, head]
         except ValueError as error:
-            if batch_size is None:  # drawn for batch + 1 rows: the mask's data may hold more
-                raise ValueError(f"{error} (drawn for {rows} batch row{'s' * (rows > 1)}: if the mask's data holds "
-                                 "more, pass batch_size=)") from None
+            unset = [name for name, value in (("batch_size", batch_size), ("heads", heads)) if value is None]
+            if unset:  # drawn for batch + 1 rows and head + 1 heads: the mask's data may hold more
+                drawn = f"{rows} batch row{'s' * (rows > 1)} and {n_heads} head{'s' * (n_heads > 1)}"
+                raise ValueError(f"{error} (drawn for {drawn}: if the mask's data holds more, "
+                                 f"pass {' or '.join(n + '=' for n in unset)})") from None
             raise
         width = len(str(max(Lq, Lk) - 1))
         lines = [f"{self!r}  (rows: {Lq} queries, columns: {Lk} keys)"]
@@ -551,16 +563,21 @@ class _DenseArray:
         if _arrays.is_torch(array) and array.device.type == "meta":
             raise ValueError("a mask or bias on the meta device has no data to read; give it real values")
         self.array = array
-        self._fitted = (None, None)  # (Geometry, 4-D view), replaced as a whole
+        self._fitted = (None, None, False)  # (Geometry, 4-D array, a view of self.array?), replaced as a whole
 
     def check(self, geom):
-        if self._fitted[0] != geom:  # checked again for the same call (its tiles): fitted already
-            self._fitted = (geom, inputs.fit_dense("mask", self.array, geom))
+        """Fit the array to a call's sizes (each call checks once). A view is kept for later
+        calls of these sizes; a copy (a mask broadcast over some batch dims only) is made
+        again, so an array changed in place between calls is read as it is now."""
+        fitted_geom, _, is_view = self._fitted
+        if fitted_geom != geom or not is_view:
+            fitted = inputs.fit_dense("mask", self.array, geom)
+            self._fitted = (geom, fitted, _arrays.shares_memory(fitted, self.array))
 
     def fitted(self, geom):
         """The array as (B|1, H|1, Lq|1, Lk|1) for these sizes."""
-        fitted_geom, view = self._fitted  # one read: another call may replace it meanwhile
-        return view if fitted_geom == geom else inputs.fit_dense("mask", self.array, geom)
+        fitted_geom, array, _ = self._fitted  # one read: another call may replace it meanwhile
+        return array if fitted_geom == geom else inputs.fit_dense("mask", self.array, geom)
 
 
 class DenseMask(_DenseArray, Mask):

@@ -261,7 +261,7 @@ def kernel_extras(inp, blocks) -> dict:
 def _float32_bias(mod, geom):
     bias = mod.fitted(geom)  # (B|1, H|1, Lq|1, Lk|1)
     if _arrays.is_torch(bias):
-        return bias.detach().float()
+        return bias.detach().float().resolve_neg()  # DLPack carries no negative bit
     return np.asarray(bias, dtype=np.float32)
 
 
