@@ -109,13 +109,17 @@ Strided4 strided(const Any& a, const char* name) {
   return {a.data(), a.stride(0), a.stride(1), a.stride(2), a.stride(3)};
 }
 
-// The dtype the gradients are written in: q's, or float32 (ring attention sums blocks in float32).
-DType grads_dtype(const Out& dq, const Out& dk, const Out& dv, DType q_dtype) {
-  const bool alike = dk.dtype() == dq.dtype() && dv.dtype() == dq.dtype();
-  const bool bf16 = dq.dtype().code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat) && dq.dtype().bits == 16;
-  if (alike && dq.dtype() == nb::dtype<float>()) return F32;
+// The dtype results are written in: q's, or float32 (ring attention merges its blocks unrounded).
+// `names` says which arrays, for the error.
+DType written_dtype(std::initializer_list<const Out*> arrays, DType q_dtype, const char* names) {
+  const auto dtype = (*arrays.begin())->dtype();
+  bool alike = true;
+  for (const Out* a : arrays) alike = alike && a->dtype() == dtype;
+  const bool bf16 = dtype.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat) && dtype.bits == 16;
+  if (alike && dtype == nb::dtype<float>()) return F32;
   if (alike && bf16 && q_dtype == BF16) return BF16;
-  throw std::invalid_argument("dq, dk and dv must have one dtype: q's, or float32");
+  throw std::invalid_argument(std::string(names) + (arrays.size() > 1 ? " must have one dtype" : " must have a dtype") +
+                              ": q's, or float32");
 }
 
 struct Extras {  // everything optional about a call: mask data and score modifiers
@@ -211,8 +215,9 @@ NB_MODULE(_native, m) {
          std::optional<Flat<float>> alibi, float softcap, std::optional<Any> bias,
          std::optional<FlatOut<int64_t>> tile_counts, bool float32_on_amx) {
         Extras x{tile_class, lo, hi, bitmap_index, bitmaps, alibi, softcap, bias};
-        Forward f{make_problem(q, k, v, scale, block_q, block_k, threads, x), out.data(), lse ? lse->data() : nullptr,
-                  tile_counts ? tile_counts->data() : nullptr, float32_on_amx};
+        Problem p = make_problem(q, k, v, scale, block_q, block_k, threads, x);
+        Forward f{p, out.data(), lse ? lse->data() : nullptr, tile_counts ? tile_counts->data() : nullptr,
+                  float32_on_amx, written_dtype({&out}, p.dtype, "out")};
         nb::gil_scoped_release unlocked;
         run_forward(f);
       },
@@ -221,8 +226,8 @@ NB_MODULE(_native, m) {
       nb::arg("lo").none(), nb::arg("hi").none(), nb::arg("bitmap_index").none(), nb::arg("bitmaps").none(),
       nb::arg("alibi").none(), nb::arg("softcap"), nb::arg("bias").none(), nb::arg("tile_counts").none() = nb::none(),
       nb::arg("float32_on_amx") = false,
-      "out (B, Hq, Lq, Dv) and lse (B, Hq, Lq) float32 must be contiguous and are written in place (lse=None: "
-      "not written). With "
+      "out (B, Hq, Lq, Dv), in q's dtype or float32, and lse (B, Hq, Lq) float32 must be contiguous and are "
+      "written in place (lse=None: not written). With "
       "float32_on_amx, where AMX runs, float32 products run on it as sums of bfloat16 parts (else on the FMA units).");
   m.def(
       "backward",
@@ -234,7 +239,7 @@ NB_MODULE(_native, m) {
         Extras x{tile_class, lo, hi, bitmap_index, bitmaps, alibi, softcap, bias};
         Problem p = make_problem(q, k, v, scale, block_q, block_k, threads, x);
         Backward b{p, strided(dout, "dout"), lse.data(), delta.data(), dq.data(), dk.data(), dv.data(),
-                   grads_dtype(dq, dk, dv, p.dtype)};
+                   written_dtype({&dq, &dk, &dv}, p.dtype, "dq, dk and dv")};
         nb::gil_scoped_release unlocked;
         run_backward(b);
       },

@@ -471,7 +471,7 @@ inline void store_output(const ForwardPlan& plan, const Tile& tl, const float* m
     const float inv = none ? 0.f : 1.f / l[rr];
     const float* src = O + plan.output_at(rr, 0);  // output element d at src[d * step]
     if (f.lse) f.lse[at] = none ? NEG_INF : m[rr] + logf(l[rr]);
-    if (p.dtype == qkv::F32) {
+    if (f.out_dtype == qkv::F32) {
       float* o = static_cast<float*>(f.out) + at * p.Dv;
       for (int d = 0; d < p.Dv; ++d) o[d] = none ? 0.f : src[d * step] * inv;
     } else {

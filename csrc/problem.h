@@ -49,10 +49,11 @@ struct Problem {
 
 struct Forward {
   Problem p;
-  void* out;   // (B, Hq, Lq, Dv) contiguous, dtype p.dtype
+  void* out;   // (B, Hq, Lq, Dv) contiguous, dtype out_dtype
   float* lse;  // (B, Hq, Lq) contiguous, or null: not wanted
   int64_t* tile_counts = nullptr;  // optional: [computed, masked] (row, query tile, key tile) units
   bool float32_on_amx = false;     // where AMX runs: float32 products as sums of bfloat16 parts
+  DType out_dtype = F32;           // p.dtype, or float32 (ring attention merges blocks unrounded)
 };
 
 struct Backward {

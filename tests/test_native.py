@@ -490,6 +490,15 @@ def test_sizes_beyond_the_kernels_int_range_are_refused():
                         None, None, None, None, None, None, 0.0, None)
 
 
+def test_the_output_is_written_in_q_dtype_or_float32():
+    from qkv.backends.native import _native
+
+    q = np.zeros((1, 1, 4, 8), np.float32)
+    with pytest.raises(ValueError, match="out must have a dtype: q's, or float32"):
+        _native.forward(q, q, q, np.empty((1, 1, 4, 8), np.float64), None, 1.0, 64, 128, 1,
+                        None, None, None, None, None, None, 0.0, None)
+
+
 def test_a_lazily_negated_view_is_read_with_its_sign():
     """torch's negative bit (a lazy negation) does not travel through DLPack: it is applied first."""
     q, k, v = _inputs(SHAPES["odd"])

@@ -444,8 +444,6 @@ def _ring_forward(call: _Call, q, k, v):
     """(out (B, Hq, Lq/P, Dv) in q's dtype, lse (B, Hq, Lq/P)): the ring, no autograd."""
     import torch
 
-    from .api import attention
-
     ring, world = call.ring, call.ring.world
     acc = _accum_dtype(q.dtype)
     acc_out = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=acc, device=q.device)  # (B, Hq, Lq/P, Dv)
@@ -457,13 +455,29 @@ def _ring_forward(call: _Call, q, k, v):
         if step < world - 1:  # start moving the next block before computing on this one
             incoming, works = ring.exchange([k_blk, v_blk], _KV_TAG, call.stats)
         for b in call.plan(owner):
-            out_b, lse_b = attention(q[..., b.q0:b.q1, :], k_blk[..., b.k0:b.k1, :], v_blk[..., b.k0:b.k1, :],
-                                     b.mask, scale=call.scale, return_lse=True)
+            out_b, lse_b = _block_forward(call, b, q, k_blk, v_blk)
             _merge(acc_out, acc_lse, slice(b.q0, b.q1), out_b, lse_b)
         ring.wait(works)
         if incoming is not None:
             k_blk, v_blk = incoming  # the block of the previous owner
     return acc_out.to(q.dtype), acc_lse
+
+
+def _block_forward(call: _Call, b: _Block, q, k_blk, v_blk):
+    """One block's (out (B, Hq, n, Dv), lse (B, Hq, n)). A backend that can return its output
+    unrounded (``run_forward`` with float32_out) does, so low-precision blocks are merged as
+    summed (bfloat16, L = 384 on 3 ranks: max error 1.88e-3 as in one process, 3.82e-3 rounded
+    first); others give it in q's dtype."""
+    from . import dispatch
+    from .api import attention
+
+    q_b, k_c, v_c = q[..., b.q0:b.q1, :], k_blk[..., b.k0:b.k1, :], v_blk[..., b.k0:b.k1, :]
+    inp = inputs.prepare(q_b, k_c, v_c, b.mask, scale=call.scale)
+    run_forward = getattr(dispatch.choose(inp).backend, "run_forward", None)
+    if run_forward is None:
+        return attention(q_b, k_c, v_c, b.mask, scale=call.scale, return_lse=True)
+    with _arrays.autocast_off(inp.q):
+        return run_forward(inp, inp.q, inp.k, inp.v, float32_out=True)
 
 
 @dataclass

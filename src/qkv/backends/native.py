@@ -141,9 +141,11 @@ class NativeBackend(Backend):
                                       inp.held_tensors())
         return self.run_forward(inp, inp.q, inp.k, inp.v, with_lse=inp.needs_lse)
 
-    def run_forward(self, inp, q, k, v, with_lse=True):
-        """(out, lse), or (out, None) without with_lse (a decoding step saves allocating it)."""
-        out = _empty(inp.kind, q.dtype, (inp.B, inp.Hq, inp.Lq, inp.Dv))
+    def run_forward(self, inp, q, k, v, with_lse=True, float32_out=False):
+        """(out, lse), or (out, None) without with_lse (a decoding step saves allocating it).
+        out is in the inputs' dtype, or in float32 with float32_out (ring attention merges
+        the blocks' outputs: bfloat16 ones would be rounded before the merge)."""
+        out = _empty(inp.kind, "float32" if float32_out else q.dtype, (inp.B, inp.Hq, inp.Lq, inp.Dv))
         lse = _empty(inp.kind, "float32", (inp.B, inp.Hq, inp.Lq)) if with_lse else None
         counts = None if base.tile_counter is None else np.zeros(2, dtype=np.int64)
         blocks = self.block_sizes(inp)

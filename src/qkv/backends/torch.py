@@ -63,8 +63,9 @@ def _stacked_q(q5, q0, q1):
     return q5[:, :, q0:q1].reshape(r, g * (q1 - q0), d)
 
 
-def forward_tiled(inp, q, k, v):
-    """(out (B, Hq, Lq, Dv) in q's dtype, lse (B, Hq, Lq) in the compute dtype)."""
+def forward_tiled(inp, q, k, v, keep_sum_dtype=False):
+    """(out (B, Hq, Lq, Dv) in q's dtype, or with keep_sum_dtype in the compute dtype it was
+    summed in; lse (B, Hq, Lq) in the compute dtype)."""
     import torch
 
     cdt = getattr(torch, compute_dtype_name(inp.dtype))
@@ -72,7 +73,7 @@ def forward_tiled(inp, q, k, v):
     R, G = tiles.rows, inp.group
     q5 = q.reshape(R, G, inp.Lq, inp.D)
     k3, v3 = k.reshape(R, inp.Lk, inp.D), v.reshape(R, inp.Lk, inp.Dv)
-    out = torch.empty(R, G, inp.Lq, inp.Dv, dtype=q.dtype, device=q.device)
+    out = torch.empty(R, G, inp.Lq, inp.Dv, dtype=cdt if keep_sum_dtype else q.dtype, device=q.device)
     lse = torch.empty(R, G, inp.Lq, dtype=cdt, device=q.device)
     for t in range(tiles.nq):
         q0, q1 = tiles.q_range(t, inp.Lq)
@@ -216,6 +217,11 @@ class TorchBackend(Backend):
         """(dq, dk, dv) from a saved forward (used by ring attention for its blocks): in the
         inputs' dtype, or, with float32_grads, in the dtype they were summed in (float32 or wider)."""
         return backward_tiled(inp, q, k, v, out, lse, dout, dlse, keep_sum_dtype=float32_grads)
+
+    def run_forward(self, inp, q, k, v, float32_out=False):
+        """(out, lse) without autograd (used by ring attention for its blocks): out in the
+        inputs' dtype, or, with float32_out, in the dtype it was summed in (float32 or wider)."""
+        return forward_tiled(inp, q, k, v, keep_sum_dtype=float32_out)
 
     def forward(self, inp):
         if inp.needs_grad:
