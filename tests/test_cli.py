@@ -106,6 +106,15 @@ def test_bench_without_its_dependencies_gives_the_install_hint(monkeypatch, caps
     assert "qkv bench needs torch and rich: pip install 'qkv[bench]'" in err and f"missing: {module}" in err
 
 
+def test_the_ring_benchmark_runs_without_rich(monkeypatch):
+    from qkv import bench_distributed
+
+    monkeypatch.setitem(sys.modules, "rich", None)
+    asked = []
+    monkeypatch.setattr(bench_distributed, "main", lambda argv: asked.append(argv) or 0)
+    assert cli.main(["bench", "--distributed", "2"]) == 0 and asked == [["--world", "2"]]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--repeats", "0"], "argument --repeats: must be a positive integer, got '0'"),
     (["--shape", "1,x,64,8"], "argument --shape: takes B,H,L,D or B,Hq,Hkv,Lq,Lk,D in positive integers; got "),

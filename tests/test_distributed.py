@@ -265,6 +265,10 @@ def test_world_2_every_mask_layout_and_dtype(shared_run):
     assert all(r[0]["forward"][0] == kv_bytes for r in ranks)
     # backward: K/V travel once more, dK/dV travel P steps back to their owner
     assert all(r[0]["bytes_total"] == kv_bytes + kv_bytes + 2 * kv_bytes for r in ranks)
+    # blocks count (query chunk, key chunk) pairs, also where one call computes a whole shard
+    unmasked_zigzag = qd.LAYOUTS.index("zigzag")  # the cases run masks (none first) by layouts
+    assert cases[unmasked_zigzag]["mask"] == "none" and cases[unmasked_zigzag]["layout"] == "zigzag"
+    assert all(r[unmasked_zigzag]["forward"][1:] == (2 * 2 * 2, 0) for r in ranks)  # 2 steps of 2 x 2 chunks
 
 
 def test_world_3(shared_run):
@@ -538,6 +542,8 @@ def test_benchmark_options_are_checked_before_any_process_starts(monkeypatch):
     monkeypatch.setattr(bench_distributed, "_launch", lambda *a: pytest.fail("started processes"))
     with pytest.raises(ValueError, match="repeat must be a positive integer"):
         bench_distributed.run_distributed_bench(2, [256], repeat=0)
+    with pytest.raises(ValueError, match="dtype must be one of 'float32', 'float64', 'bfloat16', 'float16'"):
+        bench_distributed.run_distributed_bench(2, [256], dtype="int32")
 
 
 def test_what_ranks_compare_tells_any_two_masks_and_scales_apart():

@@ -84,7 +84,7 @@ def test_weights_and_labels_are_checked():
         viz.terminal_heatmap(-np.eye(3))
     with pytest.raises(TypeError, match="weights must be a numpy.ndarray or torch.Tensor"):
         viz.terminal_heatmap([[1.0]])
-    with pytest.raises(ValueError, match=r"layer must be an integer in \[0, 2\)"):
+    with pytest.raises(ValueError, match=r"layer must be an integer in \[0, 2\) or, counting from the end, in \[-2, 0\)"):
         viz.terminal_heatmap(sample_weights(), layer=2)
     with pytest.raises(ValueError, match=r"head \(or -1, all heads\) must be an integer in \[0, 3\)"):
         viz.head_view_html(sample_weights(), head=7)
@@ -267,6 +267,8 @@ def test_command_errors_are_one_clear_line(tmp_path, capsys):
     assert "tokens has 2 labels" in capsys.readouterr().err
     assert viz.main(["--random", "--tokens", "a b"]) == 2
     assert "--tokens labels the weights of --npy" in capsys.readouterr().err
+    assert viz.main(["--npy", str(tmp_path / "w.npy"), "--causal", "--seed", "0", "--quiet"]) == 2
+    assert "--seed, --causal: for --random only" in capsys.readouterr().err
     assert viz.main(["--random", "--seed", "-1"]) == 2
     assert "seed must be a non-negative integer, got -1" in capsys.readouterr().err
     def too_large(*args, **kwargs):

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from ._processes import run_ranks
 
+DTYPES = ("float32", "float64", "bfloat16", "float16")
 DEFAULTS = dict(heads=4, kv_heads=None, head_dim=64, batch=1, dtype="float32", mask="causal", layout="zigzag",
                 repeat=3, backward=False)
 LENGTHS = (2048, 4096, 8192)
@@ -238,6 +239,7 @@ def check_config(world: int, cfg: dict) -> None:
     if cfg["heads"] % cfg["kv_heads"]:
         raise ValueError(f"heads = {cfg['heads']} must be a multiple of kv_heads = {cfg['kv_heads']}")
     inputs.check_choice("mask", cfg["mask"], ("causal", "none"))
+    inputs.check_choice("dtype", cfg["dtype"], DTYPES)
     for n in cfg["lengths"]:
         _check_divisible("each length", inputs.check_positive_int("lengths", n), world, cfg["layout"])
 
@@ -369,7 +371,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="key/value heads, dividing --heads (None: as many as --heads)")
     p.add_argument("--head-dim", type=positive_int, default=DEFAULTS["head_dim"], help="D")
     p.add_argument("--batch", type=positive_int, default=DEFAULTS["batch"], help="batch rows")
-    p.add_argument("--dtype", default=DEFAULTS["dtype"], choices=("float32", "float64", "bfloat16", "float16"))
+    p.add_argument("--dtype", default=DEFAULTS["dtype"], choices=DTYPES)
     p.add_argument("--mask", default=DEFAULTS["mask"], choices=("causal", "none"))
     p.add_argument("--layout", default=DEFAULTS["layout"], choices=("contiguous", "zigzag"))
     p.add_argument("--repeat", type=positive_int, default=DEFAULTS["repeat"])

@@ -101,11 +101,12 @@ def cmd_bench(args) -> int:
     from qkv import bench
 
     bench.check_arguments(args.parser, args)
-    needs = ("torch", "rich") + (("matplotlib",) if args.plot else ())
+    # the ring benchmark (--distributed) draws no table or plot
+    needs = ("torch",) + (() if args.distributed else ("rich",)) + (("matplotlib",) if args.plot else ())
     missing = [name for name in needs if importlib.util.find_spec(name) is None]
     if missing:
-        print(f"qkv bench needs torch and rich{' and matplotlib' if args.plot else ''}: "
-              f"pip install 'qkv[bench]' (missing: {', '.join(missing)})", file=sys.stderr)
+        print(f"qkv bench needs {' and '.join(needs)}: pip install 'qkv[bench]' (missing: {', '.join(missing)})",
+              file=sys.stderr)
         return 1
     return bench.run(args)
 

@@ -408,8 +408,8 @@ class _Call:
         q_segs = _segments(self.ring.rank, world, self.layout, self.Lq, self.spec)
         k_segs = _segments(owner, world, self.layout, self.Lk, self.spec)
         blocks, skipped = _plan(self.spec, q_segs, k_segs, self.causal_offset)
-        if self.stats is not None:
-            self.stats.blocks_computed += len(blocks)
+        if self.stats is not None:  # chunk pairs, also where one call computes a whole shard (no mask)
+            self.stats.blocks_computed += chunks_per_rank(self.layout) ** 2 if self.spec.empty else len(blocks)
             self.stats.blocks_skipped += skipped
             self.stats.steps += 1
         return blocks

@@ -105,7 +105,8 @@ def _check_index(name, value, size, what, optional=False):
     if value is None and optional:
         return None
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not -size <= value < size:
-        raise ValueError(f"{name} must be an integer in [0, {size}) ({size} {what}), got {value!r}")
+        raise ValueError(f"{name} must be an integer in [0, {size}) or, counting from the end, in [-{size}, 0) "
+                         f"({size} {what}), got {value!r}")
     return int(value) % size
 
 
@@ -298,6 +299,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
+#: Sizes of --random's weights when not given (--causal is off unless given).
+RANDOM_DEFAULTS = {"length": 10, "heads": 4, "layers": 2, "seed": 0, "causal": False}
+
+
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """The arguments of ``qkv viz``."""
     source = parser.add_argument_group("where the weights come from (one of)")
@@ -306,10 +311,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--npy", metavar="FILE",
                         help="a .npy array (Lq, Lk), (heads, Lq, Lk) or (layers, heads, Lq, Lk)")
     source.add_argument("--tokens", help="labels for --npy, separated by spaces")
-    source.add_argument("--length", type=int, default=10, help="tokens for --random (default 10)")
-    source.add_argument("--heads", type=int, default=4, help="heads for --random (default 4)")
-    source.add_argument("--layers", type=int, default=2, help="layers for --random (default 2)")
-    source.add_argument("--seed", type=int, default=0, help="seed for --random (default 0)")
+    for name, what in (("length", "tokens"), ("heads", "heads"), ("layers", "layers"), ("seed", "seed")):
+        source.add_argument(f"--{name}", type=int, default=None,
+                            help=f"{what} for --random (default {RANDOM_DEFAULTS[name]})")
     source.add_argument("--causal", action="store_true", help="causal mask for --random")
     out = parser.add_argument_group("what to draw")
     out.add_argument("--layer", type=int, default=None,
@@ -331,8 +335,12 @@ def load_weights(args):
                          (f" (got {', '.join(chosen)})" if chosen else ""))
     if args.tokens is not None and args.npy is None:
         raise ValueError("--tokens labels the weights of --npy (a sentence and --random label their own)")
+    given = {name: value for name in RANDOM_DEFAULTS if (value := getattr(args, name)) is not None and value is not False}
+    if given and not args.random:
+        raise ValueError(f"{', '.join('--' + name for name in given)}: for --random only")
     if args.random:
-        return random_weights(args.length, args.heads, args.layers, seed=args.seed, causal=args.causal)
+        size = {**RANDOM_DEFAULTS, **given}
+        return random_weights(size["length"], size["heads"], size["layers"], seed=size["seed"], causal=size["causal"])
     if args.npy is not None:
         weights = np.load(args.npy, allow_pickle=False)
         tokens = None if args.tokens is None else args.tokens.split()
