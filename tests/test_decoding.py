@@ -135,6 +135,7 @@ WHOLE_SEQUENCE_RULES = {  # mask objects and score rules read the query's positi
                                   None),
     "document": (lambda a, b: qkv.document(IDS[:, :b]), None),  # ids of the sequence so far
     "prefix_lm | window": (lambda a, b: qkv.prefix_lm([2, 4]) | qkv.window(1, 0), None),
+    "padding with q_lengths": (lambda a, b: qkv.padding(np.minimum([9, 6], b), q_lengths=np.minimum([9, 7], b)), None),
 }
 
 

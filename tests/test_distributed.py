@@ -351,13 +351,30 @@ def world_of_one(tmp_path):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("mask", MASKS)
-def test_world_of_one_is_plain_attention(world_of_one, mask):
-    case = make_case(mask, "zigzag", seed=70)
+def ring_of_one(case: dict) -> dict:
+    """The case through ring_attention on this process alone (zigzag: two chunks a side), forward and backward."""
     q, k, v = (case[n].clone().requires_grad_(True) for n in ("q", "k", "v"))
     out, lse = qd.ring_attention(q, k, v, make_mask(case), layout="zigzag", return_lse=True)
     ((out * case["dout"]).sum() + (torch.where(lse.isinf(), 0, lse) * case["dlse"]).sum()).backward()
-    check_case(case, {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad})
+    return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+@pytest.mark.parametrize("mask", MASKS)
+def test_world_of_one_is_plain_attention(world_of_one, mask):
+    case = make_case(mask, "zigzag", seed=70)
+    check_case(case, ring_of_one(case))
+
+
+@pytest.mark.parametrize("align", ["bottom_right", "top_left"])
+@pytest.mark.parametrize("mask", ["causal", "causal_padding"])
+def test_causal_diagonals_at_every_block_border(world_of_one, align, mask):
+    """Chunks of 1-4 rows a side: the causal diagonal enters, leaves or grazes every block,
+    and padded query rows lie before, inside and after the rows a block drops."""
+    for lq in (2, 4, 6, 8):
+        for lk in (2, 4, 6, 8):
+            case = make_case(mask, "zigzag", hq=2, hkv=2, lq=lq, lk=lk, align=align, seed=80 + lq + 10 * lk,
+                             kv_lengths=[lk, max(1, lk - 3)], q_lengths=[lq, max(1, lq - 5)])
+            check_case(case, ring_of_one(case))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -366,10 +383,7 @@ def test_backward_in_torch_ops_where_no_fused_backward(world_of_one, monkeypatch
     monkeypatch.setattr(qd, "_kernel_block_grads", lambda *args: None)
     case = make_case("causal_padding", "zigzag", dtype=dtype, seed=72)
     monkeypatch.setattr(qd, "BACKWARD_PIECE_ELEMENTS", 2 * 4 * 24 * 5)  # pieces of 5 query rows
-    q, k, v = (case[n].clone().requires_grad_(True) for n in ("q", "k", "v"))
-    out, lse = qd.ring_attention(q, k, v, make_mask(case), layout="zigzag", return_lse=True)
-    ((out * case["dout"]).sum() + (torch.where(lse.isinf(), 0, lse) * case["dlse"]).sum()).backward()
-    check_case(case, {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad})
+    check_case(case, ring_of_one(case))
 
 
 @pytest.mark.parametrize("backend", ["native", "torch"])

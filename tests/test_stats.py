@@ -87,6 +87,7 @@ MASK_NAMES = [name for name, _ in mask_cases(np.random.default_rng(0))]
 def tiles(request, monkeypatch):
     """Small tiles make every mask produce EMPTY, PARTIAL and FULL tiles; default ones one tile."""
     if request.param == "small tiles":
+        monkeypatch.setattr(stats_module, "available_cpus", lambda: 3)  # NumPy's tiles split among 3 workers
         monkeypatch.setattr(stats_module, "TILE_ELEMENTS", B * HQ * 8 * 16)
         monkeypatch.setattr(stats_module, "MAX_BLOCK_K", 16)
         monkeypatch.setattr(stats_module, "MIN_BLOCK_Q", 1)

@@ -8,7 +8,9 @@ from qkv import dispatch, inputs
 from qkv.backends import base
 from test_masks import MASKS
 
-TILE_MASKS = dict(MASKS, sliding=lambda: qkv.window(left=40), head_rule=lambda: qkv.mask_fn(lambda b, h, i, j: j <= i * (h + 1)))
+TILE_MASKS = dict(MASKS, sliding=lambda: qkv.window(left=40), head_rule=lambda: qkv.mask_fn(lambda b, h, i, j: j <= i * (h + 1)),
+                  # an | whose sides are EMPTY and PARTIAL (or FULL) in the same tiles
+                  band_or_padding=lambda: qkv.window(2, 2, align="top_left") | qkv.padding([5, 40]))
 
 
 def make(name, Lq, Lk):
