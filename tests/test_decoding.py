@@ -53,6 +53,35 @@ def test_prompt_then_tokens_equals_one_causal_pass(kind, num_kv_heads):
     assert cache.keys.shape == (2, num_kv_heads, 16, 8)
 
 
+def test_gradients_reach_every_decoding_step():
+    """With autograd recording, each step writes a new version of the cache: one backward over
+    every step's output gives the gradients of one causal pass (in place, the earlier steps'
+    saved keys would have changed under them)."""
+    torch = pytest.importorskip("torch")
+    mha, _, _ = make("torch", num_kv_heads=2)
+    x = torch.tensor(np.random.default_rng(2).standard_normal((2, 9, D_MODEL)), requires_grad=True)
+    weights = torch.tensor(np.random.default_rng(3).standard_normal((2, 9, D_MODEL)))  # d(loss)/d(out)
+
+    def gradients(outputs):
+        mha.zero_grad()
+        x.grad = None
+        (torch.cat(outputs, dim=1) * weights).sum().backward()
+        return [x.grad.clone()] + [p.grad.clone() for p in mha.parameters()]
+
+    full = gradients([mha(x, mask=qkv.causal())[0]])
+    cache, outs, start = mha.init_cache(2, 9), [], 0
+    for n in (4, 1, 3, 1):
+        outs.append(mha(x[:, start:start + n], cache=cache)[0])
+        start += n
+    for got, want in zip(gradients(outs), full):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    with torch.no_grad():  # without a graph the cache is written in place again
+        keys = cache.keys
+        cache.reset()
+        mha(x[:, :2], cache=cache)
+        assert cache.keys is keys
+
+
 def mha_state(mha):
     return {n: np.asarray(v.detach().numpy() if hasattr(v, "detach") else v) for n, v in mha.state_dict().items()}
 

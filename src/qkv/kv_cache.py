@@ -26,7 +26,9 @@ class KVCache:
 
     Create one with ``module.init_cache(batch_size, max_len)``. Writing happens in two
     steps, ``stage`` then ``commit``, so a call that fails in between leaves the cache as
-    it was. With torch, decode under ``torch.no_grad()``: the cache is written in place.
+    it was. The arrays are written in place, except while torch records gradients through
+    the new keys or values: then each call makes new arrays (a copy of max_len positions),
+    so a backward reaches every step. Decode under ``torch.no_grad()`` unless you need that.
     The arrays keep the dtype they were made with (the module's): new keys and values must
     have it, as they are never cast (the modules refuse a query that would need a cast).
     """
@@ -75,8 +77,12 @@ class KVCache:
                              f"{self.length} are filled and this call adds {n}; "
                              "create it with a larger max_len (module.init_cache(batch_size, max_len))")
         end = self.length + n
-        self.keys[:, :, self.length:end] = k
-        self.values[:, :, self.length:end] = v
+        if _records_graph(k, v, self.keys):  # a new version: graphs of earlier steps keep theirs
+            self.keys = self.keys.slice_scatter(k, dim=2, start=self.length, end=end)
+            self.values = self.values.slice_scatter(v, dim=2, start=self.length, end=end)
+        else:
+            self.keys[:, :, self.length:end] = k
+            self.values[:, :, self.length:end] = v
         return self.keys[:, :, :end], self.values[:, :, :end]  # (B, Hkv, length + n, depth)
 
     def commit(self, n: int) -> None:
@@ -115,6 +121,12 @@ class KVCache:
     def __repr__(self):
         B, H, T, depth = self.keys.shape
         return f"KVCache(batch_size={B}, num_kv_heads={H}, depth={depth}, length={self.length}, max_len={T})"
+
+
+def _records_graph(k, v, keys) -> bool:
+    """Whether autograd records this write: writing in place would then change what earlier
+    steps' graphs saved (torch's backward refuses that)."""
+    return _arrays.grad_enabled() and _arrays.is_torch(keys) and (k.requires_grad or v.requires_grad or keys.requires_grad)
 
 
 def _zeros(shape, like):

@@ -93,8 +93,9 @@ class MultiHeadAttention(AttentionCore, nn.Module):
                 ``mask`` objects and ``score_fn`` rules read query i as position
                 ``cache.length + i`` of the sequence (``Mask.from_query``); mask arrays hold
                 this call's rows.
-                Decode under ``torch.no_grad()``: the cache is written in place. The cache
-                holds the module's dtype (query must have it too).
+                Decode under ``torch.no_grad()``: the cache is written in place (while
+                autograd records, each call copies it, so gradients reach every step). The
+                cache holds the module's dtype (query must have it too).
             score_mod: a score modifier (``qkv.alibi(slopes)``, ``qkv.softcap(cap)``,
                 ``qkv.score_fn(fn)``) or a list of them, applied to the scaled scores after a
                 float ``mask``, as in ``qkv.attention``.
