@@ -150,6 +150,30 @@ def test_strided_inputs_are_read_in_place(rng):
     check_backend("triton", (q, k, v), [to64(x) for x in (q, k, v)], "float32", mask=qkv.causal())
 
 
+def test_keys_past_2_31_elements_are_read_where_they_are(rng):
+    """Keys 2^30 elements apart (as in a long (B, L, H, D) layout): key 2 lies past 2^31, which
+    32-bit offsets in the Kᵀ and Vᵀ tiles of the forward and dQ wrapped (4 GiB reserved a
+    tensor, a few pages touched)."""
+    def far_apart(values):
+        x = torch.empty_strided(values.shape, (1, 1, 2**30, 1), dtype=torch.float16, device=DEVICE)
+        with torch.no_grad():
+            x.copy_(values)
+        return x.requires_grad_(True)
+
+    q = make(rng, (1, 1, 4, 16), "float16", requires_grad=True)
+    k, v = (far_apart(make(rng, (1, 1, 3, 16), "float16")) for _ in range(2))
+    check_backend("triton", (q, k, v), [to64(x) for x in (q, k, v)], "float16")
+    check_gradients("triton", (q, k, v), {}, rng)
+
+
+@pytest.mark.parametrize("mask", [qkv.causal(), qkv.padding([3]), qkv.window(2)], ids=repr)
+def test_no_queries_give_zero_key_gradients(mask):
+    q = torch.zeros(1, 1, 0, 16, device=DEVICE, requires_grad=True)
+    k, v = (torch.randn(1, 1, 5, 16, device=DEVICE, requires_grad=True) for _ in range(2))
+    qkv.attention(q, k, v, mask, backend="triton").sum().backward()
+    assert torch.equal(k.grad, torch.zeros_like(k)) and torch.equal(v.grad, torch.zeros_like(v))
+
+
 def test_results_are_deterministic(rng):
     q, k, v = qkv_of(rng, "float32", requires_grad=True)
     runs = []

@@ -101,17 +101,23 @@ def _load_rows(ptr, offs, n, other):
 
 @triton.jit
 def _load_tile(ptr, offs_r, offs_c, stride_r, stride_c, n_r, n_c):
-    """ptr[r, c] for rows offs_r < n_r and columns offs_c < n_c (zeros elsewhere). Row offsets
-    are 64-bit: one head of a (B, L, H, D) layout can span more than 2^31 elements."""
+    """ptr[r, c] for rows offs_r < n_r and columns offs_c < n_c (zeros elsewhere). Offsets are
+    64-bit on both axes: one head of a (B, L, H, D) layout can span more than 2^31 elements,
+    and keys lie along columns in Kᵀ tiles."""
     mask = (offs_r[:, None] < n_r) & (offs_c[None, :] < n_c)
-    return tl.load(ptr + offs_r[:, None].to(tl.int64) * stride_r + offs_c[None, :] * stride_c, mask=mask,
-                   other=0.0)
+    return tl.load(ptr + _offsets(offs_r, offs_c, stride_r, stride_c), mask=mask, other=0.0)
 
 
 @triton.jit
 def _store_tile(ptr, value, offs_r, offs_c, stride_r, stride_c, n_r, n_c):
     mask = (offs_r[:, None] < n_r) & (offs_c[None, :] < n_c)
-    tl.store(ptr + offs_r[:, None].to(tl.int64) * stride_r + offs_c[None, :] * stride_c, value, mask=mask)
+    tl.store(ptr + _offsets(offs_r, offs_c, stride_r, stride_c), value, mask=mask)
+
+
+@triton.jit
+def _offsets(offs_r, offs_c, stride_r, stride_c):
+    """Element offsets (R, C) of a tile, in int64."""
+    return offs_r[:, None].to(tl.int64) * stride_r + offs_c[None, :].to(tl.int64) * stride_c
 
 
 @triton.jit

@@ -151,6 +151,8 @@ def _document_intervals(doc: Document, inp):
 def query_block_ranges(lo, hi, Lq: int, Lk: int, block_m: int, block_n: int):
     """(first, end) int32 (B, nk): the query blocks [first, end) whose rows see keys of each key block."""
     batch, nq, nk = lo.shape[0], cdiv(Lq, block_m), cdiv(Lk, block_n)
+    if nq == 0:  # no query block sees anything
+        return np.zeros((batch, nk), np.int32), np.zeros((batch, nk), np.int32)
     pad = ((0, 0), (0, nq * block_m - Lq))
     lo, hi = np.pad(lo, pad, constant_values=Lk), np.pad(hi, pad, constant_values=-1)
     live = lo <= hi
