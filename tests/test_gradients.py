@@ -205,6 +205,26 @@ def test_function_transforms_are_refused_by_name(transform, rng):
         run()
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::torch.jit.TracerWarning")  # the trace's own
+def test_tracing_is_refused_by_name(rng):
+    """torch.jit.trace would record the output's allocation and not the kernel that fills it."""
+    q, k, v = (x.detach() for x in _float32_leaves(rng))
+    with pytest.raises(TypeError, match="qkv.attention does not run under torch.jit.trace"):
+        torch.jit.trace(lambda x: qkv.attention(x, k, v), (q,))
+
+
+@pytest.mark.parametrize("backend", ["native", "torch"])
+@pytest.mark.parametrize("output", ["out", "lse"])
+def test_batched_gradients_are_refused_by_name(rng, backend, output):
+    if dispatch.REGISTRY[backend].missing():
+        pytest.skip(dispatch.REGISTRY[backend].missing())
+    q, k, v = _float32_leaves(rng)
+    result = qkv.attention(q, k, v, backend=backend, return_lse=True)[output == "lse"]
+    batched = torch.ones((3,) + result.shape)
+    with pytest.raises(TypeError, match="qkv.attention's backward takes one gradient at a time"):
+        torch.autograd.grad(result, q, batched, is_grads_batched=True)
+
+
 def test_function_transforms_run_through_the_explicit_formula(rng):
     """attention_weights and the seed's door record torch's own operations: vmap and grad run
     through them and equal the plain formula."""

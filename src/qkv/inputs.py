@@ -447,10 +447,15 @@ def prepare(q, k, v, mask=None, *, score_mod=None, scale=None, dropout_p=0.0, se
 
 def _refuse_function_transforms():
     """torch.func's vmap and grad hand over wrapped tensors without storage, which the kernels
-    cannot read (and the tiled torch code updates in place, which vmap forbids)."""
+    cannot read (and the tiled torch code updates in place, which vmap forbids). torch.jit.trace
+    records only torch's operations: not the native kernel's writes through DLPack, and the
+    mask sizes become tensors."""
     torch = sys.modules["torch"]
     if torch.compiler.is_compiling():  # traced by torch.compile: real tensors come at run time
         return
+    if torch.jit.is_tracing():
+        raise TypeError("qkv.attention does not run under torch.jit.trace (the trace would not record its "
+                        "kernels): call it eagerly, or compile with torch.compile")
     if torch._C._functorch.peek_interpreter_stack() is not None:  # a transform is running (0.1 µs to ask)
         raise TypeError("qkv.attention does not run inside torch.func transforms (vmap, grad, jacrev, jvp, "
                         "vjp): call it on plain tensors, looping over the batch for vmap, or use "

@@ -117,6 +117,11 @@ ONCE_DIFFERENTIABLE = ("qkv.attention's backward is not differentiable: second d
                        "which records the plain formula")
 
 
+BATCHED_GRADIENTS = ("qkv.attention's backward takes one gradient at a time: batched gradients "
+                     "(is_grads_batched=True, jacobian(vectorize=True), gradcheck's check_batched_grad) are not "
+                     "supported; loop over the gradients instead")
+
+
 def _attention_function():
     global _function
     if _function is not None:
@@ -137,6 +142,8 @@ def _attention_function():
         def backward(ctx, dout, dlse):
             if torch.is_grad_enabled():  # the engine enables grad in a backward only for create_graph=True
                 raise RuntimeError(ONCE_DIFFERENTIABLE)
+            if any(g is not None and torch._C._functorch.is_legacy_batchedtensor(g) for g in (dout, dlse)):
+                raise TypeError(BATCHED_GRADIENTS)  # autograd's own vmap (is_grads_batched)
             q, k, v, out, lse = ctx.saved_tensors[:5]
             _, run_backward, state = ctx.job
             dout = torch.zeros_like(out) if dout is None else dout
