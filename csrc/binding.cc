@@ -156,8 +156,9 @@ Problem make_problem(const Any& q, const Any& k, const Any& v, float scale, int 
   if (x.alibi) p.mods.alibi_slopes = x.alibi->data();
   p.mods.softcap = x.softcap;
   if (x.bias) {
-    if (x.bias->dtype() != nb::dtype<float>() || x.bias->ndim() != 4) throw std::invalid_argument("bias: float32 4-D");
-    p.mods.bias = static_cast<const float*>(x.bias->data());
+    if (x.bias->ndim() != 4) throw std::invalid_argument("bias must be 4-D");
+    p.mods.bias_bf16 = dtype_of(*x.bias, "bias") == BF16;
+    p.mods.bias = x.bias->data();
     p.mods.bias_s0 = x.bias->shape(0) > 1 ? x.bias->stride(0) : 0;
     p.mods.bias_s1 = x.bias->shape(1) > 1 ? x.bias->stride(1) : 0;
     p.mods.bias_s2 = x.bias->shape(2) > 1 ? x.bias->stride(2) : 0;

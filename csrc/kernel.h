@@ -289,8 +289,14 @@ inline void apply_rule(const Tile& tl, float* S, int64_t rs, int64_t cs) {
       for (int c = 0; c < tl.cols; ++c) s[c * cs] -= slope * fabsf(float(i + shift - (tl.k0 + c)));
     }
     if (mods.bias) {
-      const float* row = mods.bias + tl.b * mods.bias_s0 + h * mods.bias_s1 + i * mods.bias_s2;
-      for (int c = 0; c < tl.cols; ++c) s[c * cs] += row[(tl.k0 + c) * mods.bias_s3];
+      const int64_t row = tl.b * mods.bias_s0 + h * mods.bias_s1 + i * mods.bias_s2;
+      if (mods.bias_bf16) {
+        const uint16_t* bias = static_cast<const uint16_t*>(mods.bias) + row;
+        for (int c = 0; c < tl.cols; ++c) s[c * cs] += bf16_to_f32(bias[(tl.k0 + c) * mods.bias_s3]);
+      } else {
+        const float* bias = static_cast<const float*>(mods.bias) + row;
+        for (int c = 0; c < tl.cols; ++c) s[c * cs] += bias[(tl.k0 + c) * mods.bias_s3];
+      }
     }
     if (mods.softcap > 0) {
       float cap = mods.softcap, inv = 1.f / cap;

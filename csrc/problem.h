@@ -32,7 +32,8 @@ struct Mask {
 struct ScoreMods {
   const float* alibi_slopes = nullptr;  // (Hq): score -= slope[h] * |i + Lk - Lq - j|
   float softcap = 0.f;                  // > 0: score = cap * tanh(score / cap)
-  const float* bias = nullptr;          // float32 (B|1, Hq|1, Lq|1, Lk|1) with strides below
+  const void* bias = nullptr;           // (B|1, Hq|1, Lq|1, Lk|1) with strides below, float32 or
+  bool bias_bf16 = false;               // bfloat16 (read in place: a broadcast bias stays unexpanded)
   int64_t bias_s0 = 0, bias_s1 = 0, bias_s2 = 0, bias_s3 = 0;
 };
 

@@ -205,6 +205,22 @@ def test_function_transforms_are_refused_by_name(transform, rng):
         run()
 
 
+@pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace")  # the graph break at the kernel
+def test_torch_compile_runs_with_graph_breaks_around_the_kernels(rng):
+    q, k, v = _float32_leaves(rng)
+    lengths = torch.tensor([7, 9])
+
+    def f(q, k, v):
+        return qkv.attention(q * 2, k, v, qkv.causal() & qkv.padding(lengths)).square()
+
+    compiled = torch.compile(f, backend="aot_eager")  # dynamo's tracing and autograd, without code generation
+    eager, out = f(q, k, v), compiled(q, k, v)
+    want = torch.autograd.grad(eager.sum(), (q, k, v))
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+    for got, expected in zip(torch.autograd.grad(out.sum(), (q, k, v)), want):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::torch.jit.TracerWarning")  # the trace's own
 def test_tracing_is_refused_by_name(rng):
     """torch.jit.trace would record the output's allocation and not the kernel that fills it."""

@@ -131,3 +131,35 @@ def test_explain_bounds_the_numpy_backends_extra_memory_with_every_kind_of_mask(
     finally:
         tracemalloc.stop()
     assert held <= said <= 2.5 * held, f"explain {said / 2**20:.2f} MiB, held {held / 2**20:.2f} MiB"
+
+
+BIAS_SCRIPT = textwrap.dedent("""
+    import json
+    import torch
+    import qkv
+    L = 4096
+    q = k = v = torch.randn(1, 2, L, 64).bfloat16()
+    bias = torch.randn(L).bfloat16().expand(1, 2, L, L)  # a per-key bias, broadcast: 8 KiB of data
+    qkv.attention(q[:, :, :300], k[:, :, :300], v[:, :, :300], bias[..., :300, :300], backend="native")
+    def peak():
+        status = open("/proc/self/status").read()
+        return int(status.split("VmHWM:")[1].split()[0]) * 1024
+    before = peak()
+    qkv.attention(q, k, v, bias, backend="native")
+    print(json.dumps({"grown": peak() - before - q.nbytes}))
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the peak from /proc/self/status")
+def test_a_broadcast_bfloat16_bias_is_read_in_place():
+    """The kernel reads a bfloat16 bias as it is: widened to float32 first, a broadcast one
+    became a dense (B, H, Lq, Lk) copy (128 MiB here)."""
+    pytest.importorskip("torch")
+    from qkv import dispatch
+
+    if dispatch.REGISTRY["native"].missing():
+        pytest.skip(dispatch.REGISTRY["native"].missing())
+    result = subprocess.run([sys.executable, "-c", BIAS_SCRIPT], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    grown = json.loads(result.stdout.strip().splitlines()[-1])["grown"]
+    assert grown < 16 * 2**20, f"peak grew by {grown / 2**20:.1f} MiB"

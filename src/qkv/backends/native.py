@@ -248,7 +248,7 @@ def kernel_extras(inp, blocks) -> dict:
         elif isinstance(mod, Softcap):
             extras["softcap"] = float(mod.cap)
         elif isinstance(mod, Bias):
-            extras["bias"] = _float32_bias(mod, inp.geom)
+            extras["bias"] = _kernel_bias(mod, inp.geom)
     if inp.mask is None:
         return extras
     classes = row_tile_classes(inp, *blocks)  # (R, nq, nk)
@@ -260,11 +260,12 @@ def kernel_extras(inp, blocks) -> dict:
     return extras
 
 
-def _float32_bias(mod, geom):
+def _kernel_bias(mod, geom):
+    """The bias as the kernel reads it, in place: float32 or bfloat16 (the inputs' dtype), any strides."""
     bias = mod.fitted(geom)  # (B|1, H|1, Lq|1, Lk|1)
     if _arrays.is_torch(bias):
-        return bias.detach().float().resolve_neg()  # DLPack carries no negative bit
-    return np.asarray(bias, dtype=np.float32)
+        return bias.detach().resolve_neg()  # DLPack carries no negative bit
+    return bias
 
 
 def _partial_bitmaps(inp, classes, blocks):
