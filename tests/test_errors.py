@@ -126,6 +126,7 @@ BAD = [
                  id="scale-str"),
     pytest.param(call(scale=True), (TypeError, ValueError), r"scale must be a finite real number .*got True",
                  id="scale-bool"),
+    pytest.param(call(scale=10**400), ValueError, r"scale must be a finite real number .*got 1000", id="scale-huge-int"),
     pytest.param(call(scale=1j), (TypeError, ValueError), r"scale must be a finite real number .*got 1j",
                  id="scale-complex"),
     # ---- dropout and seed ---------------------------------------------------------------
@@ -268,6 +269,8 @@ BAD = [
                  id="softcap-nan"),
     pytest.param(lambda: qkv.softcap("30"), (TypeError, ValueError), r"cap must be a positive finite number, got '30'",
                  id="softcap-str"),
+    pytest.param(lambda: qkv.softcap(10**400), ValueError, r"cap must be a positive finite number, got 1000",
+                 id="softcap-huge-int"),
     pytest.param(lambda: qkv.softcap(1e39), ValueError, r"cap must lie within float32's normal range.*got 1e\+39",
                  id="softcap-past-float32"),  # it would be inf in float32: every score NaN
     pytest.param(lambda: qkv.softcap(1e-40), ValueError, r"cap must lie within float32's normal range.*got 1e-40",

@@ -134,6 +134,7 @@ def test_sinusoidal_empty_and_numpy_ints():
         ({"length": 3, "d_model": 4, "base": 0}, ValueError, "base"),
         ({"length": 3, "d_model": 4, "base": -10.0}, ValueError, "base"),
         ({"length": 3, "d_model": 4, "base": float("nan")}, ValueError, "base"),
+        ({"length": 3, "d_model": 4, "base": 10**400}, ValueError, "base"),
         ({"length": 3, "d_model": 4, "base": "1e4"}, TypeError, "base"),
         ({"length": 3, "d_model": 4, "dtype": np.int32}, TypeError, "dtype"),
     ],

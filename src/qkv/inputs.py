@@ -29,6 +29,14 @@ def _is_real(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+def _is_finite_real(x) -> bool:
+    """A real number that a float holds finitely (an int past float's range is not)."""
+    try:
+        return _is_real(x) and math.isfinite(x)
+    except OverflowError:
+        return False
+
+
 def check_positive_int(name, value):
     if not _is_int(value) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -42,7 +50,7 @@ def check_nonnegative_int(name, value):
 
 
 def check_positive_float(name, value):
-    if not _is_real(value) or not math.isfinite(value) or value <= 0:
+    if not _is_finite_real(value) or value <= 0:
         raise ValueError(f"{name} must be a positive finite number, got {value!r}")
     return float(value)
 
@@ -350,7 +358,7 @@ def check_seed_mask(mask, query, key):
 def check_scale(scale, head_dim):
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if not _is_real(scale) or not math.isfinite(scale):
+    if not _is_finite_real(scale):
         raise ValueError(f"scale must be a finite real number or None (1/sqrt(D)), got {scale!r}")
     return float(scale)
 

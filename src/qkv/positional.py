@@ -44,7 +44,10 @@ def _base_arg(base) -> float:
     """``base`` as a finite positive float, or a TypeError/ValueError naming it."""
     if isinstance(base, (bool, np.bool_)) or not isinstance(base, numbers.Real):
         raise TypeError(f"base must be a real number, got {type(base).__name__} {base!r}")
-    fbase = float(base)
+    try:
+        fbase = float(base)
+    except OverflowError:  # an int past float's range
+        fbase = math.inf
     if not (math.isfinite(fbase) and fbase > 0):
         raise ValueError(f"base must be a finite number > 0, got {base!r}")
     return fbase
