@@ -126,7 +126,8 @@ class KVCache:
 def _records_graph(k, v, keys) -> bool:
     """Whether autograd records this write: writing in place would then change what earlier
     steps' graphs saved (torch's backward refuses that)."""
-    return _arrays.grad_enabled() and _arrays.is_torch(keys) and (k.requires_grad or v.requires_grad or keys.requires_grad)
+    return (_arrays.grad_enabled() and _arrays.is_torch(keys)
+            and (k.requires_grad or v.requires_grad or keys.requires_grad))
 
 
 def _zeros(shape, like):

@@ -168,8 +168,9 @@ class Mask:
         except ValueError as error:
             unset = [name for name, value in (("batch", batch), ("heads", heads)) if value is None]
             if unset:  # materialized for one batch row or head: the mask's data may hold more
-                raise ValueError(f"{error} (materialized for one {' and one '.join(_WHAT[n] for n in unset)}: "
-                                 f"if the mask's data holds more, pass {' or '.join(n + '=' for n in unset)})") from None
+                one = " and one ".join(_WHAT[n] for n in unset)
+                raise ValueError(f"{error} (materialized for one {one}: if the mask's data holds more, "
+                                 f"pass {' or '.join(n + '=' for n in unset)})") from None
             raise
         probe = np.zeros(0)
         b, h, qi, ki = tile_indices(probe, np.arange(n_batch), np.arange(n_heads), 0, Lq, 0, Lk)

@@ -335,7 +335,8 @@ def load_weights(args):
                          (f" (got {', '.join(chosen)})" if chosen else ""))
     if args.tokens is not None and args.npy is None:
         raise ValueError("--tokens labels the weights of --npy (a sentence and --random label their own)")
-    given = {name: value for name in RANDOM_DEFAULTS if (value := getattr(args, name)) is not None and value is not False}
+    given = {name: value for name in RANDOM_DEFAULTS
+             if (value := getattr(args, name)) is not None and value is not False}
     if given and not args.random:
         raise ValueError(f"{', '.join('--' + name for name in given)}: for --random only")
     if args.random:
