@@ -92,6 +92,57 @@ def test_every_backend_returns_the_inputs_dtype(rng, dtype):
         assert str(out.dtype).replace("torch.", "") == dtype, name
 
 
+def test_the_last_thread_out_restores_blas_whichever_set_the_limit():
+    """threadpoolctl (3.8 on) lets only the thread that set OpenBLAS's limit change it: the first
+    thread in sets it, a second leaves last, and BLAS gets its threads back all the same; a
+    later call from yet another thread limits it again."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    import threading
+
+    from qkv._threads import one_blas_thread
+
+    def blas_threads():
+        return [pool["num_threads"] for pool in threadpoolctl.threadpool_info() if pool["user_api"] == "blas"]
+
+    before = blas_threads()
+    if not before or max(before) < 2:
+        pytest.skip("BLAS runs one thread here: there is no limit to see")
+    entered, first_left, limited_elsewhere = threading.Event(), threading.Event(), []
+
+    def second():
+        with one_blas_thread():
+            entered.set()
+            first_left.wait()
+
+    def third():
+        with one_blas_thread():
+            limited_elsewhere.append(blas_threads())
+
+    other = threading.Thread(target=second)
+    with one_blas_thread():  # this thread sets the limit
+        other.start()
+        entered.wait()
+        assert blas_threads() == [1] * len(before)
+    first_left.set()
+    other.join()  # the second thread leaves last and restores
+    assert blas_threads() == before
+    late = threading.Thread(target=third)
+    late.start()
+    late.join()
+    assert limited_elsewhere == [[1] * len(before)] and blas_threads() == before
+
+
+def test_a_forked_child_runs_the_numpy_backend(rng):
+    """The child inherits the thread pool object but not its threads: it makes its own."""
+    import multiprocessing
+
+    q = rng.standard_normal((1, 4, 256, 32)).astype(np.float32)
+    want = qkv.attention(q, q, q, backend="numpy")  # the parent's pool runs
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        got = pool.apply_async(qkv.attention, (q, q, q), {"backend": "numpy"}).get(timeout=60)
+    np.testing.assert_array_equal(got, want)
+
+
 def test_concurrent_numpy_calls_leave_blas_as_they_found_it(rng):
     """The NumPy backend limits BLAS to one thread while it runs (process-wide): calls from
     several threads at once share that limit, and the last one out restores BLAS's threads."""

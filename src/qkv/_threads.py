@@ -7,6 +7,15 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 _pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _start_afresh_in_child():
+    """A forked child inherits the pool but none of its threads, and the locks as some other
+    thread may have held them: it makes its own (a BLAS limit set at the fork stays set)."""
+    global _pool, _pool_lock, _blas_lock, _blas_users, _blas_limiter
+    _pool, _pool_lock = None, threading.Lock()
+    _blas_lock, _blas_users, _blas_limiter = threading.Lock(), 0, None
 
 
 def available_cpus() -> int:
@@ -55,8 +64,26 @@ def one_blas_thread():
         with _blas_lock:
             _blas_users -= 1
             if _blas_users == 0:
-                _blas_limiter.restore_original_limits()
+                _restore(_blas_limiter)
                 _blas_limiter = None
+
+
+def _restore(limiter):
+    """Undo the limit from whichever thread leaves last. threadpoolctl 3.8 and later let only the
+    thread that set OpenBLAS's limit change it again (the 'controlling thread'): control is
+    released before the restore and after it, so the next first caller, in any thread, can set it."""
+    import threadpoolctl
+
+    release = getattr(getattr(threadpoolctl, "OpenBLASController", None), "clear_controlling_thread", None)
+    if release is not None:
+        release(force=True)
+    limiter.restore_original_limits()
+    if release is not None:
+        release(force=True)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_start_afresh_in_child)
 
 
 def parallel_map(fn, items) -> list:
@@ -65,7 +92,9 @@ def parallel_map(fn, items) -> list:
     items = list(items)
     if len(items) <= 1:
         return [fn(x) for x in items]
-    if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=available_cpus(), thread_name_prefix="qkv")
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=available_cpus(), thread_name_prefix="qkv")
+        pool = _pool
     with one_blas_thread():
-        return list(_pool.map(fn, items))
+        return list(pool.map(fn, items))
