@@ -174,6 +174,20 @@ def test_no_queries_give_zero_key_gradients(mask):
     assert torch.equal(k.grad, torch.zeros_like(k)) and torch.equal(v.grad, torch.zeros_like(v))
 
 
+def test_bfloat16_is_refused_on_gpus_before_ampere(monkeypatch):
+    from types import SimpleNamespace
+
+    from qkv.backends import triton as triton_backend
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    on_gpu = SimpleNamespace(dtype="bfloat16", device="cuda:0", q=SimpleNamespace(device="cuda:0"))
+    assert triton_backend._bfloat16_reasons(on_gpu) == [
+        "bfloat16 needs a GPU of compute capability 8.0 or later; this one has 7.0"]
+    assert triton_backend._bfloat16_reasons(SimpleNamespace(**{**vars(on_gpu), "dtype": "float16"})) == []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert triton_backend._bfloat16_reasons(on_gpu) == []
+
+
 def test_results_are_deterministic(rng):
     q, k, v = qkv_of(rng, "float32", requires_grad=True)
     runs = []

@@ -66,7 +66,7 @@ class TritonBackend(Backend):
 
     def extra_reasons(self, inp):
         return (_mask_reasons(inp) + inline_score_mod_reasons(inp, (Alibi, Softcap), "the triton kernel")
-                + _grid_reasons(inp))
+                + _grid_reasons(inp) + _bfloat16_reasons(inp))
 
     def forward(self, inp):
         call = _Call(inp, _plan_masks(inp))
@@ -86,6 +86,18 @@ def _grid_reasons(inp) -> list[str]:
     if max(inp.B, inp.Hq) > MAX_GRID_YZ:
         return [f"the triton kernel launches one program row per head and batch row, at most {MAX_GRID_YZ} "
                 f"of each (CUDA's grid); got {inp.B} batch rows and {inp.Hq} heads"]
+    return []
+
+
+def _bfloat16_reasons(inp) -> list[str]:
+    """bfloat16 products need tensor cores of compute capability 8.0 (Ampere) or later."""
+    if inp.dtype != "bfloat16" or not inp.device.startswith("cuda"):
+        return []
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(inp.q.device)
+    if major < 8:
+        return [f"bfloat16 needs a GPU of compute capability 8.0 or later; this one has {major}.{minor}"]
     return []
 
 
