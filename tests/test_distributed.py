@@ -386,6 +386,26 @@ def test_backward_in_torch_ops_where_no_fused_backward(world_of_one, monkeypatch
     check_case(case, ring_of_one(case))
 
 
+def test_blocks_of_a_backend_without_run_forward(world_of_one, monkeypatch):
+    """A backend that only has forward (triton) hands its blocks over in q's dtype."""
+    from types import SimpleNamespace
+
+    from qkv import dispatch
+
+    choose, forwards = dispatch.choose, []
+
+    def without_run_forward(inp, *args, **kwargs):
+        chosen = choose(inp, *args, **kwargs).backend
+        forward = lambda inp: forwards.append(inp) or chosen.forward(inp)  # noqa: E731
+        return dispatch.Choice(SimpleNamespace(name=chosen.name, forward=forward,
+                                               run_backward=getattr(chosen, "run_backward", None)))
+
+    monkeypatch.setattr(dispatch, "choose", without_run_forward)
+    case = make_case("causal_padding", "zigzag", seed=76)
+    check_case(case, ring_of_one(case))
+    assert forwards  # the blocks went through forward
+
+
 @pytest.mark.parametrize("backend", ["native", "torch"])
 def test_block_outputs_reach_the_ring_unrounded(backend):
     """The ring merges blocks' outputs in float32: a bfloat16 forward hands them over in float32,

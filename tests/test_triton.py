@@ -179,12 +179,12 @@ def test_bfloat16_is_refused_on_gpus_before_ampere(monkeypatch):
 
     from qkv.backends import triton as triton_backend
 
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    monkeypatch.setattr(triton_backend, "_capability", lambda device: (7, 0))
     on_gpu = SimpleNamespace(dtype="bfloat16", device="cuda:0", q=SimpleNamespace(device="cuda:0"))
     assert triton_backend._bfloat16_reasons(on_gpu) == [
         "bfloat16 needs a GPU of compute capability 8.0 or later; this one has 7.0"]
     assert triton_backend._bfloat16_reasons(SimpleNamespace(**{**vars(on_gpu), "dtype": "float16"})) == []
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(triton_backend, "_capability", lambda device: (8, 0))
     assert triton_backend._bfloat16_reasons(on_gpu) == []
 
 

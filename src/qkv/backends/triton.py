@@ -89,13 +89,19 @@ def _grid_reasons(inp) -> list[str]:
     return []
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(device) -> tuple[int, int]:
+    """A GPU's compute capability, asked once (every decoding step would ask again)."""
+    import torch
+
+    return torch.cuda.get_device_capability(device)
+
+
 def _bfloat16_reasons(inp) -> list[str]:
     """bfloat16 products need tensor cores of compute capability 8.0 (Ampere) or later."""
     if inp.dtype != "bfloat16" or not inp.device.startswith("cuda"):
         return []
-    import torch
-
-    major, minor = torch.cuda.get_device_capability(inp.q.device)
+    major, minor = _capability(inp.q.device)
     if major < 8:
         return [f"bfloat16 needs a GPU of compute capability 8.0 or later; this one has {major}.{minor}"]
     return []
