@@ -214,11 +214,12 @@ NB_MODULE(_native, m) {
          std::optional<Flat<int8_t>> tile_class, std::optional<Flat<int32_t>> lo, std::optional<Flat<int32_t>> hi,
          std::optional<Flat<int32_t>> bitmap_index, std::optional<Flat<uint8_t>> bitmaps,
          std::optional<Flat<float>> alibi, float softcap, std::optional<Any> bias,
-         std::optional<FlatOut<int64_t>> tile_counts, bool float32_on_amx) {
+         std::optional<FlatOut<int64_t>> tile_counts, bool float32_on_amx, std::optional<FlatOut<float>> lse_lo) {
         Extras x{tile_class, lo, hi, bitmap_index, bitmaps, alibi, softcap, bias};
         Problem p = make_problem(q, k, v, scale, block_q, block_k, threads, x);
         Forward f{p, out.data(), lse ? lse->data() : nullptr, tile_counts ? tile_counts->data() : nullptr,
                   float32_on_amx, written_dtype({&out}, p.dtype, "out")};
+        if (lse_lo && lse) f.lse_lo = lse_lo->data();
         nb::gil_scoped_release unlocked;
         run_forward(f);
       },
@@ -226,9 +227,10 @@ NB_MODULE(_native, m) {
       nb::arg("block_q"), nb::arg("block_k"), nb::arg("threads"), nb::arg("tile_class").none(),
       nb::arg("lo").none(), nb::arg("hi").none(), nb::arg("bitmap_index").none(), nb::arg("bitmaps").none(),
       nb::arg("alibi").none(), nb::arg("softcap"), nb::arg("bias").none(), nb::arg("tile_counts").none() = nb::none(),
-      nb::arg("float32_on_amx") = false,
+      nb::arg("float32_on_amx") = false, nb::arg("lse_lo").none() = nb::none(),
       "out (B, Hq, Lq, Dv), in q's dtype or float32, and lse (B, Hq, Lq) float32 must be contiguous and are "
-      "written in place (lse=None: not written). With "
+      "written in place (lse=None: not written). lse_lo (B, Hq, Lq) float32, where given with lse, gets what "
+      "lse's rounding lost (for the backward). With "
       "float32_on_amx, where AMX runs, float32 products run on it as sums of bfloat16 parts (else on the FMA units).");
   m.def(
       "backward",
@@ -236,10 +238,11 @@ NB_MODULE(_native, m) {
          int block_q, int block_k, int threads, std::optional<Flat<int8_t>> tile_class,
          std::optional<Flat<int32_t>> lo, std::optional<Flat<int32_t>> hi, std::optional<Flat<int32_t>> bitmap_index,
          std::optional<Flat<uint8_t>> bitmaps, std::optional<Flat<float>> alibi, float softcap,
-         std::optional<Any> bias) {
+         std::optional<Any> bias, std::optional<Flat<float>> lse_lo) {
         Extras x{tile_class, lo, hi, bitmap_index, bitmaps, alibi, softcap, bias};
         Problem p = make_problem(q, k, v, scale, block_q, block_k, threads, x);
-        Backward b{p, strided(dout, "dout"), lse.data(), delta.data(), dq.data(), dk.data(), dv.data(),
+        Backward b{p, strided(dout, "dout"), lse.data(), lse_lo ? lse_lo->data() : nullptr, delta.data(),
+                   dq.data(), dk.data(), dv.data(),
                    written_dtype({&dq, &dk, &dv}, p.dtype, "dq, dk and dv")};
         nb::gil_scoped_release unlocked;
         run_backward(b);
@@ -248,6 +251,7 @@ NB_MODULE(_native, m) {
       nb::arg("dk"), nb::arg("dv"), nb::arg("scale"), nb::arg("block_q"), nb::arg("block_k"), nb::arg("threads"),
       nb::arg("tile_class").none(), nb::arg("lo").none(), nb::arg("hi").none(), nb::arg("bitmap_index").none(),
       nb::arg("bitmaps").none(), nb::arg("alibi").none(), nb::arg("softcap"), nb::arg("bias").none(),
+      nb::arg("lse_lo").none() = nb::none(),
       "dq, dk, dv must be contiguous, in q's dtype or float32, and are written in place; delta = rowsum(dO*O) - "
-      "dlse.");
+      "dlse; lse_lo (or None: zeros) is the forward's.");
 }

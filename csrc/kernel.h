@@ -6,7 +6,7 @@
 // Forward, per work item (row r, query tile t, key split s):
 //   Q tile (n = G*bq rows, scale folded in) against each non-EMPTY key tile:
 //   S = Q·Kᵀ -> modifiers -> mask (PARTIAL tiles only) -> online softmax (m, l) -> acc += P·V.
-// Backward recomputes P = exp(S - lse) tile by tile: one pass per query tile for dQ and
+// Backward recomputes P = exp(S - lse - lse_lo) tile by tile: one pass per query tile for dQ and
 // one per key tile for dK and dV, so no two threads ever add into the same memory.
 #pragma once
 #include <math.h>
@@ -476,7 +476,13 @@ inline void store_output(const ForwardPlan& plan, const Tile& tl, const float* m
     const bool none = l[rr] == 0.f;  // no allowed key: output 0, lse -inf (NaN stays NaN)
     const float inv = none ? 0.f : 1.f / l[rr];
     const float* src = O + plan.output_at(rr, 0);  // output element d at src[d * step]
-    if (f.lse) f.lse[at] = none ? NEG_INF : m[rr] + logf(l[rr]);
+    if (f.lse) {
+      const float log_l = logf(l[rr]), lse = m[rr] + log_l;
+      f.lse[at] = none ? NEG_INF : lse;
+      // m - lse is exact near the rounded lse (Sterbenz): the backward's P = exp(S - lse - lo)
+      // then misses only log_l's rounding, not |lse|·6e-8 (1e-4 relative at scores of 2000)
+      if (f.lse_lo) f.lse_lo[at] = none || lse - lse != 0.f ? 0.f : (m[rr] - lse) + log_l;
+    }
     if (f.out_dtype == qkv::F32) {
       float* o = static_cast<float*>(f.out) + at * p.Dv;
       for (int d = 0; d < p.Dv; ++d) o[d] = none ? 0.f : src[d * step] * inv;
@@ -1249,8 +1255,8 @@ namespace {
 struct BackwardPlan {
   const Backward& bw;
   int G, nq, nk, Dp, Dvp, bkp, n_max;
-  // per (row, query tile): Q·scale (n_max x Dp), dO (n_max x Dvp), lse and delta (n_max)
-  float *Q, *dO, *lse, *delta;
+  // per (row, query tile): Q·scale (n_max x Dp), dO (n_max x Dvp), lse, lse_lo and delta (n_max)
+  float *Q, *dO, *lse, *lse_lo, *delta;
   // per (row, key tile): Kᵀ (Dp x bkp), Vᵀ (Dvp x bkp), K (bkp x Dp)
   float *Kt, *Vt, *K;
   int64_t q_tile(int r, int t) const { return int64_t(r) * nq + t; }
@@ -1259,12 +1265,13 @@ struct BackwardPlan {
 
 // A query tile's packed rows.
 struct QueryTile {
-  const float *Q, *dO, *lse, *delta;
+  const float *Q, *dO, *lse, *lse_lo, *delta;
   QueryTile(const BackwardPlan& plan, int r, int t) {
     const int64_t at = plan.q_tile(r, t);
     Q = plan.Q + at * plan.n_max * plan.Dp;
     dO = plan.dO + at * plan.n_max * plan.Dvp;
     lse = plan.lse + at * plan.n_max;
+    lse_lo = plan.lse_lo + at * plan.n_max;
     delta = plan.delta + at * plan.n_max;
   }
 };
@@ -1276,7 +1283,8 @@ void pack_query_item(void* ctx, int64_t rt) {
   Tile tl = make_tile(p, r, t, 0);
   QueryTile qt(plan, r, t);
   float *Q = const_cast<float*>(qt.Q), *dO = const_cast<float*>(qt.dO);
-  float *lse = const_cast<float*>(qt.lse), *delta = const_cast<float*>(qt.delta);
+  float *lse = const_cast<float*>(qt.lse), *lse_lo = const_cast<float*>(qt.lse_lo);
+  float* delta = const_cast<float*>(qt.delta);
   for (int g = 0; g < plan.G; ++g) {
     const int h = tl.kv * plan.G + g;
     load_rows(p.q, p.dtype, tl.b, h, tl.q0, tl.rows, tl.rows, p.D, plan.Dp, p.scale, Q + int64_t(g) * tl.rows * plan.Dp);
@@ -1286,6 +1294,7 @@ void pack_query_item(void* ctx, int64_t rt) {
       int64_t at = (int64_t(tl.b) * p.Hq + h) * p.Lq + tl.q0 + i;
       float row_lse = plan.bw.lse[at];
       lse[g * tl.rows + i] = row_lse == NEG_INF ? INFINITY : row_lse;  // empty rows: P = 0
+      lse_lo[g * tl.rows + i] = plan.bw.lse_lo && row_lse != NEG_INF ? plan.bw.lse_lo[at] : 0.f;
       delta[g * tl.rows + i] = plan.bw.delta[at];
     }
   }
@@ -1302,7 +1311,7 @@ void pack_key_item(void* ctx, int64_t rj) {
   load_rows(p.k, p.dtype, tk.b, tk.kv, tk.k0, tk.cols, bkp, p.D, plan.Dp, 1.f, plan.K + at * bkp * plan.Dp);
 }
 
-// P = exp(S - lse) in S; dS = P ∘ (dP - delta) ∘ d(modifier) in dP. Kt/Vt are the tile's Kᵀ, Vᵀ.
+// P = exp(S - lse - lse_lo) in S; dS = P ∘ (dP - delta) ∘ d(modifier) in dP. Kt/Vt are the tile's Kᵀ, Vᵀ.
 inline void probabilities_and_score_grads(const BackwardPlan& plan, const Tile& tj, const QueryTile& qt,
                                           const float* Kt, const float* Vt, float* S, float* dP) {
   const Problem& p = plan.bw.p;
@@ -1315,18 +1324,18 @@ inline void probabilities_and_score_grads(const BackwardPlan& plan, const Tile& 
   for (int rr = 0; rr < n; ++rr) {
     float* s = S + int64_t(rr) * bkp;
     float* dp = dP + int64_t(rr) * bkp;
-    const float row_lse = qt.lse[rr], row_delta = qt.delta[rr];
+    const float row_lse = qt.lse[rr], row_lo = qt.lse_lo[rr], row_delta = qt.delta[rr];
     if (cap > 0) {  // softcap: d(cap·tanh(x/cap))/dx = 1 - (modified / cap)²
       for (int c = 0; c < bkp; ++c) {
-        float u = s[c] / cap, prob = c < tj.cols ? expf(s[c] - row_lse) : 0.f;
+        float u = s[c] / cap, prob = c < tj.cols ? expf(s[c] - row_lse - row_lo) : 0.f;
         s[c] = prob;
         dp[c] = prob == 0.f ? 0.f : prob * (dp[c] - row_delta) * (1.f - u * u);
       }
       continue;
     }
-    Vec lse = Vec::set1(row_lse), delta = Vec::set1(row_delta);
+    Vec lse = Vec::set1(row_lse), lse_lo = Vec::set1(row_lo), delta = Vec::set1(row_delta);
     for (int c = 0; c < bkp; c += W) {
-      Vec prob = Vec::exp(Vec::load(s + c) - lse);
+      Vec prob = Vec::exp(Vec::load(s + c) - lse - lse_lo);
       prob.store(s + c);
       (prob * (Vec::load(dp + c) - delta)).store(dp + c);
     }
@@ -1443,10 +1452,11 @@ void backward(const Backward& bw) {
   BackwardPlan plan{bw, G, cdiv(p.Lq, p.block_q), cdiv(p.Lk, p.block_k), round_up(p.D, W), round_up(p.Dv, W),
                     round_up(p.block_k, W), G * p.block_q};
   const int64_t rows = int64_t(p.B) * p.Hkv, q_tiles = rows * plan.nq, k_tiles = rows * plan.nk;
-  Buffer q_side(q_tiles * plan.n_max * (plan.Dp + plan.Dvp + 2));
+  Buffer q_side(q_tiles * plan.n_max * (plan.Dp + plan.Dvp + 3));
   Buffer k_side(k_tiles * plan.bkp * (2 * plan.Dp + plan.Dvp));
   plan.Q = q_side.p, plan.dO = plan.Q + q_tiles * plan.n_max * plan.Dp;
-  plan.lse = plan.dO + q_tiles * plan.n_max * plan.Dvp, plan.delta = plan.lse + q_tiles * plan.n_max;
+  plan.lse = plan.dO + q_tiles * plan.n_max * plan.Dvp, plan.lse_lo = plan.lse + q_tiles * plan.n_max;
+  plan.delta = plan.lse_lo + q_tiles * plan.n_max;
   plan.Kt = k_side.p, plan.Vt = plan.Kt + k_tiles * plan.Dp * plan.bkp;
   plan.K = plan.Vt + k_tiles * plan.Dvp * plan.bkp;
   qkv::parallel_for(q_tiles, threads, pack_query_item, &plan);

@@ -55,12 +55,16 @@ struct Forward {
   int64_t* tile_counts = nullptr;  // optional: [computed, masked] (row, query tile, key tile) units
   bool float32_on_amx = false;     // where AMX runs: float32 products as sums of bfloat16 parts
   DType out_dtype = F32;           // p.dtype, or float32 (ring attention merges blocks unrounded)
+  // (B, Hq, Lq) or null: the part of each row's log-sum-exp that lse's rounding lost, so that
+  // lse + lse_lo carries it to about float64 precision for the backward
+  float* lse_lo = nullptr;
 };
 
 struct Backward {
   Problem p;
   Strided4 dout;        // (B, Hq, Lq, Dv)
   const float* lse;     // (B, Hq, Lq) contiguous
+  const float* lse_lo;  // (B, Hq, Lq) contiguous, or null: P = exp(S - lse - lse_lo)
   const float* delta;   // (B, Hq, Lq) contiguous: rowsum(dO * O) - dlse
   void* dq;             // (B, Hq, Lq, D) contiguous, dtype `grads`
   void* dk;             // (B, Hkv, Lk, D)

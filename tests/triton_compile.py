@@ -16,8 +16,8 @@ from triton.compiler import ASTSource  # noqa: E402
 from qkv.backends import _triton_kernels as kernels  # noqa: E402
 from qkv.backends.triton import LADDERS  # noqa: E402
 
-POINTERS = {"LSE": "*fp32", "DELTA": "*fp32", "SLOPES": "*fp32", "LO": "*i32", "HI": "*i32", "QFIRST": "*i32",
-            "QEND": "*i32", "QID": "*i64", "KID": "*i64"}
+POINTERS = {"LSE": "*fp32", "LSE_LO": "*fp32", "DELTA": "*fp32", "SLOPES": "*fp32", "LO": "*i32", "HI": "*i32",
+            "QFIRST": "*i32", "QEND": "*i32", "QID": "*i64", "KID": "*i64"}
 TENSORS = ("Q", "K", "V", "O", "DO", "GRAD_Q", "GRAD_K", "GRAD_V")
 
 

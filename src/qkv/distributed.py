@@ -421,33 +421,37 @@ def _accum_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _merge(acc_out, acc_lse, rows: slice, out_b, lse_b) -> None:
+def _merge(acc_out, acc_lse, rows: slice, out_b, lse_b, lse_lo_b) -> None:
     """Fold a partial result into the running one, exactly, in place.
 
     lse = logaddexp(lse_a, lse_b); out = out_a·exp(lse_a - lse) + out_b·exp(lse_b - lse).
-    Rows with no allowed key yet (lse -inf on both sides) stay 0 and -inf, never NaN.
+    The lse are float64 (lse_b + lse_lo_b: float32 ones would put |lse|·6e-8 of relative error
+    on each weight, 1e-4 at scores of 2000). Rows with no allowed key yet (lse -inf on both
+    sides) stay 0 and -inf, never NaN.
     """
     import torch
 
-    lse_a = acc_lse[..., rows]  # (B, Hq, n)
-    lse_b = lse_b.to(acc_lse.dtype)
+    lse_a = acc_lse[..., rows]  # (B, Hq, n) float64
+    lse_b = lse_b.to(torch.float64)
+    if lse_lo_b is not None:
+        lse_b = lse_b + lse_lo_b.to(torch.float64)
     lse = torch.logaddexp(lse_a, lse_b)
     ref = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)  # -inf rows: weights exp(-inf) = 0
-    w_a = torch.exp(lse_a - ref).unsqueeze(-1)  # (B, Hq, n, 1)
-    w_b = torch.exp(lse_b - ref).unsqueeze(-1)
+    w_a = torch.exp(lse_a - ref).unsqueeze(-1).to(acc_out.dtype)  # (B, Hq, n, 1)
+    w_b = torch.exp(lse_b - ref).unsqueeze(-1).to(acc_out.dtype)
     target = acc_out[..., rows, :]  # (B, Hq, n, Dv), a view: updated in place
     target.mul_(w_a).addcmul_(out_b.to(acc_out.dtype), w_b)
     acc_lse[..., rows] = lse
 
 
 def _ring_forward(call: _Call, q, k, v):
-    """(out (B, Hq, Lq/P, Dv) in q's dtype, lse (B, Hq, Lq/P)): the ring, no autograd."""
+    """(out (B, Hq, Lq/P, Dv) in q's dtype, lse and lse_lo (B, Hq, Lq/P)): the ring, no autograd."""
     import torch
 
     ring, world = call.ring, call.ring.world
     acc = _accum_dtype(q.dtype)
     acc_out = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=acc, device=q.device)  # (B, Hq, Lq/P, Dv)
-    acc_lse = torch.full(q.shape[:-1], -math.inf, dtype=acc, device=q.device)  # (B, Hq, Lq/P)
+    acc_lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float64, device=q.device)  # (B, Hq, Lq/P)
     k_blk, v_blk = k.contiguous(), v.contiguous()  # (B, Hkv, Lk/P, D), (B, Hkv, Lk/P, Dv): this rank's
     for step in range(world):
         owner = (ring.rank - step) % world
@@ -455,19 +459,20 @@ def _ring_forward(call: _Call, q, k, v):
         if step < world - 1:  # start moving the next block before computing on this one
             incoming, works = ring.exchange([k_blk, v_blk], _KV_TAG, call.stats)
         for b in call.plan(owner):
-            out_b, lse_b = _block_forward(call, b, q, k_blk, v_blk)
-            _merge(acc_out, acc_lse, slice(b.q0, b.q1), out_b, lse_b)
+            _merge(acc_out, acc_lse, slice(b.q0, b.q1), *_block_forward(call, b, q, k_blk, v_blk))
         ring.wait(works)
         if incoming is not None:
             k_blk, v_blk = incoming  # the block of the previous owner
-    return acc_out.to(q.dtype), acc_lse
+    lse = acc_lse.to(acc)
+    lse_lo = torch.where(torch.isfinite(lse), acc_lse - lse.to(torch.float64), 0.0).to(acc)
+    return acc_out.to(q.dtype), lse, lse_lo
 
 
 def _block_forward(call: _Call, b: _Block, q, k_blk, v_blk):
-    """One block's (out (B, Hq, n, Dv), lse (B, Hq, n)). A backend that can return its output
-    unrounded (``run_forward`` with float32_out) does, so low-precision blocks are merged as
-    summed (bfloat16, L = 384 on 3 ranks: max error 1.88e-3 as in one process, 3.82e-3 rounded
-    first); others give it in q's dtype."""
+    """One block's (out (B, Hq, n, Dv), lse (B, Hq, n), lse_lo or None). A backend that can
+    return its output unrounded (``run_forward`` with float32_out) does, so low-precision
+    blocks are merged as summed (bfloat16, L = 384 on 3 ranks: max error 1.88e-3 as in one
+    process, 3.82e-3 rounded first); others give it in q's dtype."""
     from . import dispatch
 
     q_b, k_c, v_c = q[..., b.q0:b.q1, :], k_blk[..., b.k0:b.k1, :], v_blk[..., b.k0:b.k1, :]
@@ -476,7 +481,7 @@ def _block_forward(call: _Call, b: _Block, q, k_blk, v_blk):
     with _arrays.autocast_off(inp.q):
         if hasattr(chosen, "run_forward"):
             return chosen.run_forward(inp, inp.q, inp.k, inp.v, float32_out=True)
-        return chosen.forward(inp)
+        return (*chosen.forward(inp), None)
 
 
 @dataclass
@@ -486,19 +491,20 @@ class _Saved:
     q: object  # (B, Hq, Lq/P, D)
     out: object  # (B, Hq, Lq/P, Dv)
     lse: object  # (B, Hq, Lq/P), the GLOBAL lse of each row
+    lse_lo: object  # (B, Hq, Lq/P), what lse's rounding lost
     dout: object  # (B, Hq, Lq/P, Dv)
     dlse: object  # (B, Hq, Lq/P) or None
     delta: object = None  # (B, Hq, Lq/P) rowsum(dO ∘ O) - dlse, for the torch-ops path
     lse_safe: object = None  # lse with -inf rows at +inf (their p = 0), for the torch-ops path
 
 
-def _ring_backward(call: _Call, q, k, v, out, lse, dout, dlse):
+def _ring_backward(call: _Call, q, k, v, out, lse, dout, dlse, lse_lo=None):
     """(dq, dk, dv) for this rank's shards; dK/dV travel with their block back to its owner."""
     import torch
 
     ring, world = call.ring, call.ring.world
     acc = lse.dtype
-    saved = _Saved(q, out, lse, dout, dlse)
+    saved = _Saved(q, out, lse, torch.zeros_like(lse) if lse_lo is None else lse_lo, dout, dlse)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, Hq, Lq/P, D)
     k_blk, v_blk = k.contiguous(), v.contiguous()
     arriving, dkv_works, in_flight = None, [], None
@@ -534,7 +540,7 @@ def _block_grads(call: _Call, b: _Block, saved: _Saved, k_blk, v_blk):
     """One block's (dq (B, Hq, n, D), dk (B, Hkv, nk, D), dv (B, Hkv, nk, Dv)).
 
     The identity of FlashAttention's backward holds block by block when it is given the
-    GLOBAL lse and output: P = exp(S - lse); dV = Pᵀ·dO; dP = dO·Vᵀ;
+    GLOBAL lse and output: P = exp(S - lse - lse_lo); dV = Pᵀ·dO; dP = dO·Vᵀ;
     dS = P ∘ (dP - rowsum(dO ∘ O) + dlse); dQ = scale·dS·K; dK = scale·dSᵀ·Q.
     A backend with a fused backward that takes them (``run_backward``) computes it;
     otherwise torch ops do, a few query rows at a time.
@@ -556,7 +562,8 @@ def _kernel_block_grads(call: _Call, b: _Block, saved: _Saved, q_b, k_c, v_c):
     rows = slice(b.q0, b.q1)
     dlse = None if saved.dlse is None else saved.dlse[..., rows].contiguous()
     return run_backward(inp, inp.q, inp.k, inp.v, saved.out[..., rows, :].contiguous(), saved.lse[..., rows],
-                        saved.dout[..., rows, :].contiguous(), dlse, float32_grads=True)  # summed in float32
+                        saved.dout[..., rows, :].contiguous(), dlse, float32_grads=True,  # summed in float32
+                        lse_lo=saved.lse_lo[..., rows])
 
 
 def _torch_block_grads(call: _Call, b: _Block, saved: _Saved, q_b, k_c, v_c):
@@ -586,7 +593,8 @@ def _torch_block_grads(call: _Call, b: _Block, saved: _Saved, q_b, k_c, v_c):
         allowed = _allowed(call.spec, b, slice(r0, r1), call.causal_offset, q_b.device)
         if allowed is not None:
             s = s.masked_fill(~allowed, -math.inf)
-        p = (s - saved.lse_safe[..., g0:g1].reshape(B, Hkv, G, n, 1)).exp()  # (B, Hkv, G, n, nk)
+        lse_g = saved.lse_safe[..., g0:g1].reshape(B, Hkv, G, n, 1)
+        p = (s - lse_g).sub_(saved.lse_lo[..., g0:g1].reshape(B, Hkv, G, n, 1)).exp_()  # (B, Hkv, G, n, nk)
         dv += (p.transpose(-1, -2) @ dog).sum(2)  # (B, Hkv, nk, Dv)
         dp = dog @ vc.transpose(-1, -2)  # (B, Hkv, G, n, nk)
         ds = p * (dp - saved.delta[..., g0:g1].reshape(B, Hkv, G, n, 1))  # (B, Hkv, G, n, nk)
@@ -759,4 +767,4 @@ def _default_device(ring: _Ring):
 def _apply(call: _Call, q, k, v):
     if call.needs_grad:
         return autograd_attention(_ring_forward, _ring_backward, q, k, v, call)
-    return _ring_forward(call, q.detach(), k.detach(), v.detach())
+    return _ring_forward(call, q.detach(), k.detach(), v.detach())[:2]

@@ -2,7 +2,8 @@
 
 Imported only when the backend runs (it needs triton). Scores live in log2 units
 (scale * log2(e) folded into one multiply) so the softmax uses exp2; lse is stored in
-natural log. Masks arrive as per-query key intervals lo <= j <= hi (causal, window,
+natural log, with LSE_LO, what its float32 rounding lost (the units are converted in float64,
+once per row, so the backward's probabilities do not lose |lse|·1e-7 to them). Masks arrive as per-query key intervals lo <= j <= hi (causal, window,
 padding, prefix-LM, sorted documents; a lone causal mask's are computed here from its
 shift) and/or segment ids compared inline (unsorted documents). Each query block walks its
 key range in three phases: masked edge tiles, unmasked FULL tiles, masked edge tiles; tiles
@@ -183,7 +184,7 @@ def _forward_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, skn, skd, svn, svd, kid_ptr, 
 
 
 @triton.jit
-def attention_forward(Q, K, V, O, LSE, LO, HI, QID, KID, SLOPES,
+def attention_forward(Q, K, V, O, LSE, LSE_LO, LO, HI, QID, KID, SLOPES,
                       sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
                       s_interval_b, s_qid_b, s_kid_b,
                       Hq, Lq, Lk, sm_scale, softcap, causal_shift,
@@ -191,7 +192,7 @@ def attention_forward(Q, K, V, O, LSE, LO, HI, QID, KID, SLOPES,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                       DOT: tl.constexpr, HAS_INTERVAL: tl.constexpr, HAS_CAUSAL: tl.constexpr, HAS_IDS: tl.constexpr,
                       HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
-    """Program (query block, query head, batch row): O (B, Hq, Lq, Dv), LSE (B, Hq, Lq) float32."""
+    """Program (query block, query head, batch row): O (B, Hq, Lq, Dv), LSE and LSE_LO (B, Hq, Lq) float32."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)  # 64-bit: head and batch offsets can pass 2^31
     b = tl.program_id(2).to(tl.int64)
@@ -219,22 +220,32 @@ def attention_forward(Q, K, V, O, LSE, LO, HI, QID, KID, SLOPES,
     empty = l_i == 0.0  # no allowed key: output 0, lse -inf
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
+    lse64 = (m_i.to(tl.float64) + tl.log2(l_safe).to(tl.float64)) * LN2
+    lse = lse64.to(tl.float32)
+    lse_lo = (lse64 - lse.to(tl.float64)).to(tl.float32)
     _store_tile(O + b * sob + h * soh, out.to(O.dtype.element_ty), offs_m, tl.arange(0, BLOCK_DV), som, sod,
                 Lq, DV)
-    tl.store(LSE + (b * Hq + h) * Lq + offs_m, lse, mask=row_ok)
+    row = (b * Hq + h) * Lq + offs_m
+    tl.store(LSE + row, tl.where(empty, float("-inf"), lse), mask=row_ok)
+    tl.store(LSE_LO + row, tl.where(empty, 0.0, lse_lo), mask=row_ok)
 
 
 # ---- backward: dQ per query block, dK/dV per key block (no atomics: deterministic) -------
 @triton.jit
-def _row_lse2(lse_ptr, offs_m, Lq):
-    """lse in log2 units; +inf for rows with no key (and rows past Lq) so their p is 0."""
+def _row_lse2(lse_ptr, lse_lo_ptr, offs_m, Lq):
+    """(lse2, lse2_lo): lse + lse_lo in log2 units, as a float32 and what its rounding lost;
+    +inf and 0 for rows with no key (and rows past Lq) so their p is 0."""
     lse = tl.load(lse_ptr + offs_m, mask=offs_m < Lq, other=float("-inf"))
-    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    lse_lo = tl.load(lse_lo_ptr + offs_m, mask=offs_m < Lq, other=0.0)
+    lse2_64 = (lse.to(tl.float64) + lse_lo.to(tl.float64)) * LOG2E
+    lse2 = lse2_64.to(tl.float32)
+    lse2_lo = (lse2_64 - lse2.to(tl.float64)).to(tl.float32)
+    empty = lse == float("-inf")
+    return tl.where(empty, float("inf"), lse2), tl.where(empty, 0.0, lse2_lo)
 
 
 @triton.jit
-def _dq_tiles(dq, q, do, lse2, delta, k_ptr, v_ptr, skn, skd, svn, svd, kid_ptr, start, end,
+def _dq_tiles(dq, q, do, lse2, lse2_lo, delta, k_ptr, v_ptr, skn, skd, svn, svd, kid_ptr, start, end,
               offs_m, lo, hi, qid, slope, Lq, Lk, sm_scale, softcap,
               D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
               BLOCK_DV: tl.constexpr, DOT: tl.constexpr, MASKED: tl.constexpr,
@@ -246,7 +257,7 @@ def _dq_tiles(dq, q, do, lse2, delta, k_ptr, v_ptr, skn, skd, svn, svd, kid_ptr,
         vT = _load_tile(v_ptr, offs_dv, offs_n, svd, svn, DV, Lk)  # (BDV, BN)
         s, t = _scores(q, kT, offs_m, offs_n, lo, hi, qid, kid, slope, Lq, Lk, sm_scale, softcap,
                        DOT, MASKED, HAS_INTERVAL, HAS_IDS, HAS_ALIBI, HAS_SOFTCAP)
-        p = tl.math.exp2(s - lse2[:, None])  # (BM, BN)
+        p = tl.math.exp2(s - lse2[:, None] - lse2_lo[:, None])  # (BM, BN)
         ds = p * (_dot(do, vT, DOT) - delta[:, None])  # d loss / d modified score
         if HAS_SOFTCAP:
             ds = ds * (1.0 - t * t)
@@ -255,7 +266,7 @@ def _dq_tiles(dq, q, do, lse2, delta, k_ptr, v_ptr, skn, skd, svn, svd, kid_ptr,
 
 
 @triton.jit
-def attention_backward_dq(Q, K, V, DO, LSE, DELTA, GRAD_Q, LO, HI, QID, KID, SLOPES,
+def attention_backward_dq(Q, K, V, DO, LSE, LSE_LO, DELTA, GRAD_Q, LO, HI, QID, KID, SLOPES,
                           sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                           sdob, sdoh, sdom, sdod, sdqb, sdqh, sdqm, sdqd,
                           s_interval_b, s_qid_b, s_kid_b,
@@ -276,7 +287,7 @@ def attention_backward_dq(Q, K, V, DO, LSE, DELTA, GRAD_Q, LO, HI, QID, KID, SLO
     q = _load_tile(Q + b * sqb + h * sqh, offs_m, offs_d, sqm, sqd, Lq, D)  # (BM, BD)
     do = _load_tile(DO + b * sdob + h * sdoh, offs_m, tl.arange(0, BLOCK_DV), sdom, sdod, Lq, DV)  # (BM, BDV)
     row = (b * Hq + h) * Lq
-    lse2 = _row_lse2(LSE + row, offs_m, Lq)
+    lse2, lse2_lo = _row_lse2(LSE + row, LSE_LO + row, offs_m, Lq)
     delta = _load_rows(DELTA + row, offs_m, Lq, 0.0)
     lo, hi, qid, slope = _query_side(LO, HI, QID, SLOPES, b, h, offs_m, Lq, Lk, causal_shift, s_interval_b,
                                      s_qid_b, HAS_INTERVAL, HAS_CAUSAL, HAS_IDS, HAS_ALIBI)
@@ -288,7 +299,7 @@ def attention_backward_dq(Q, K, V, DO, LSE, DELTA, GRAD_Q, LO, HI, QID, KID, SLO
     kid_ptr = KID + b * s_kid_b
     for phase in tl.static_range(3):
         lo_n, hi_n = _phase(phase, start, full_start, full_end, end)
-        dq = _dq_tiles(dq, q, do, lse2, delta, k_ptr, v_ptr, skn, skd, svn, svd, kid_ptr, lo_n, hi_n,
+        dq = _dq_tiles(dq, q, do, lse2, lse2_lo, delta, k_ptr, v_ptr, skn, skd, svn, svd, kid_ptr, lo_n, hi_n,
                        offs_m, lo, hi, qid, slope, Lq, Lk, sm_scale, softcap,
                        D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, DOT, phase != 1,
                        HAS_INTERVAL, HAS_IDS, HAS_ALIBI, HAS_SOFTCAP)
@@ -297,12 +308,12 @@ def attention_backward_dq(Q, K, V, DO, LSE, DELTA, GRAD_Q, LO, HI, QID, KID, SLO
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, kT, vT, q, do, lse2, delta, offs_m, offs_n, lo, hi, qid, kid, slope, Lq, Lk,
+def _dkdv_tile(dk, dv, kT, vT, q, do, lse2, lse2_lo, delta, offs_m, offs_n, lo, hi, qid, kid, slope, Lq, Lk,
                sm_scale, softcap, DOT: tl.constexpr, MASKED: tl.constexpr, HAS_INTERVAL: tl.constexpr,
                HAS_IDS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     s, t = _scores(q, kT, offs_m, offs_n, lo, hi, qid, kid, slope, Lq, Lk, sm_scale, softcap,
                    DOT, MASKED, HAS_INTERVAL, HAS_IDS, HAS_ALIBI, HAS_SOFTCAP)
-    p = tl.math.exp2(s - lse2[:, None])  # (BM, BN)
+    p = tl.math.exp2(s - lse2[:, None] - lse2_lo[:, None])  # (BM, BN)
     dv += _dot(tl.trans(p.to(do.dtype)), do, DOT)  # (BN, BDV)
     ds = p * (_dot(do, vT, DOT) - delta[:, None])
     if HAS_SOFTCAP:
@@ -312,7 +323,7 @@ def _dkdv_tile(dk, dv, kT, vT, q, do, lse2, delta, offs_m, offs_n, lo, hi, qid, 
 
 
 @triton.jit
-def attention_backward_dkdv(Q, K, V, DO, LSE, DELTA, GRAD_K, GRAD_V, LO, HI, QID, KID, SLOPES, QFIRST, QEND,
+def attention_backward_dkdv(Q, K, V, DO, LSE, LSE_LO, DELTA, GRAD_K, GRAD_V, LO, HI, QID, KID, SLOPES, QFIRST, QEND,
                             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                             sdob, sdoh, sdom, sdod, sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
                             s_interval_b, s_qid_b, s_kid_b, s_qrange_b,
@@ -359,7 +370,7 @@ def attention_backward_dkdv(Q, K, V, DO, LSE, DELTA, GRAD_K, GRAD_V, LO, HI, QID
             row_ok = offs_m < Lq
             q = _load_tile(q_ptr, offs_m, offs_d, sqm, sqd, Lq, D)  # (BM, BD)
             do = _load_tile(do_ptr, offs_m, offs_dv, sdom, sdod, Lq, DV)  # (BM, BDV)
-            lse2 = _row_lse2(LSE + row, offs_m, Lq)
+            lse2, lse2_lo = _row_lse2(LSE + row, LSE_LO + row, offs_m, Lq)
             delta = _load_rows(DELTA + row, offs_m, Lq, 0.0)
             lo, hi, qid, slope = _query_side(LO, HI, QID, SLOPES, b, h, offs_m, Lq, Lk, causal_shift,
                                              s_interval_b, s_qid_b, HAS_INTERVAL, HAS_CAUSAL, HAS_IDS, HAS_ALIBI)
@@ -371,11 +382,11 @@ def attention_backward_dkdv(Q, K, V, DO, LSE, DELTA, GRAD_K, GRAD_V, LO, HI, QID
             else:
                 full = keys_full
             if full:
-                dk, dv = _dkdv_tile(dk, dv, kT, vT, q, do, lse2, delta, offs_m, offs_n, lo, hi, qid, kid, slope,
+                dk, dv = _dkdv_tile(dk, dv, kT, vT, q, do, lse2, lse2_lo, delta, offs_m, offs_n, lo, hi, qid, kid, slope,
                                     Lq, Lk, sm_scale, softcap, DOT, False, HAS_INTERVAL, HAS_IDS, HAS_ALIBI,
                                     HAS_SOFTCAP)
             else:
-                dk, dv = _dkdv_tile(dk, dv, kT, vT, q, do, lse2, delta, offs_m, offs_n, lo, hi, qid, kid, slope,
+                dk, dv = _dkdv_tile(dk, dv, kT, vT, q, do, lse2, lse2_lo, delta, offs_m, offs_n, lo, hi, qid, kid, slope,
                                     Lq, Lk, sm_scale, softcap, DOT, True, HAS_INTERVAL, HAS_IDS, HAS_ALIBI,
                                     HAS_SOFTCAP)
     _store_tile(GRAD_K + b * sdkb + hk * sdkh, (dk * sm_scale).to(GRAD_K.dtype.element_ty), offs_n, offs_d, sdkn, sdkd,

@@ -99,8 +99,10 @@ class Backend:
 
 
 def autograd_attention(forward, backward, q, k, v, state, held=()):
-    """(out, lse) = forward(state, q, k, v) under torch autograd, with the gradients from
-    backward(state, q, k, v, out, lse, dout, dlse) -> (dq, dk, dv). dlse may be None.
+    """(out, lse) under torch autograd, from forward(state, q, k, v) -> (out, lse, lse_lo), with
+    the gradients from backward(state, q, k, v, out, lse, dout, dlse, lse_lo=lse_lo) -> (dq, dk, dv).
+    dlse may be None. lse_lo (or None) is what lse's float32 rounding lost: the backward's
+    P = exp(s - lse - lse_lo) is then as exact at large scores as at small ones.
 
     held: the mask and bias tensors the backward reads again. They are saved with q, k and v,
     so a backward after any of them changed in place is refused, as torch refuses it.
@@ -132,8 +134,8 @@ def _attention_function():
         @staticmethod
         def forward(ctx, q, k, v, job, *held):
             run_forward, _, state = job
-            out, lse = run_forward(state, q, k, v)
-            ctx.save_for_backward(q, k, v, out, lse, *held)  # held: checked for in-place changes only
+            out, lse, lse_lo = run_forward(state, q, k, v)
+            ctx.save_for_backward(q, k, v, out, lse, lse_lo, *held)  # held: checked for in-place changes only
             ctx.job, ctx.held = job, len(held)
             ctx.set_materialize_grads(False)
             return out, lse
@@ -144,11 +146,11 @@ def _attention_function():
                 raise RuntimeError(ONCE_DIFFERENTIABLE)
             if any(g is not None and torch._C._functorch.is_legacy_batchedtensor(g) for g in (dout, dlse)):
                 raise TypeError(BATCHED_GRADIENTS)  # autograd's own vmap (is_grads_batched)
-            q, k, v, out, lse = ctx.saved_tensors[:5]
+            q, k, v, out, lse, lse_lo = ctx.saved_tensors[:6]
             _, run_backward, state = ctx.job
             dout = torch.zeros_like(out) if dout is None else dout
             with _arrays.autocast_off(q):
-                grads = run_backward(state, q, k, v, out, lse, dout, dlse)
+                grads = run_backward(state, q, k, v, out, lse, dout, dlse, lse_lo=lse_lo)
             return (*grads, None) + (None,) * ctx.held
 
         @staticmethod
@@ -161,6 +163,17 @@ def _attention_function():
 
     _function = Attention
     return _function
+
+
+def split_lse(m, log_l):
+    """(lse, lse_lo) of the torch tensors m (row maxima) and log_l (log of the sums under them):
+    lse = m + log_l rounded, and lse_lo what that rounding lost. m - lse is exact wherever
+    log_l is small against m (Sterbenz), so lse + lse_lo keeps m's precision; the backward's
+    exp(s - lse - lse_lo) then errs by log_l's rounding only, not by |lse|·6e-8 (float32)."""
+    import torch
+
+    lse = m + log_l
+    return lse, torch.where(torch.isfinite(lse), (m - lse) + log_l, 0.0)
 
 
 def softmax_delta(out, dout, dlse):

@@ -139,38 +139,45 @@ class NativeBackend(Backend):
         if inp.needs_grad:
             return autograd_attention(self.run_forward, self.run_backward, inp.q, inp.k, inp.v, inp,
                                       inp.held_tensors())
-        return self.run_forward(inp, inp.q, inp.k, inp.v, with_lse=inp.needs_lse)
-
-    def run_forward(self, inp, q, k, v, with_lse=True, float32_out=False):
-        """(out, lse), or (out, None) without with_lse (a decoding step saves allocating it).
-        out is in the inputs' dtype, or in float32 with float32_out (ring attention merges
-        the blocks' outputs: bfloat16 ones would be rounded before the merge)."""
-        out = _empty(inp.kind, "float32" if float32_out else q.dtype, (inp.B, inp.Hq, inp.Lq, inp.Dv))
-        lse = _empty(inp.kind, "float32", (inp.B, inp.Hq, inp.Lq)) if with_lse else None
-        counts = None if base.tile_counter is None else np.zeros(2, dtype=np.int64)
-        blocks = self.block_sizes(inp)
-        _native.forward(*_for_kernel(q, k, v, out, lse), inp.scale, *blocks, self.num_threads,
-                        **kernel_extras(inp, blocks), tile_counts=counts, float32_on_amx=self.float32_on_amx)
-        if counts is not None:
-            base.count_tiles(computed=int(counts[0]), masked=int(counts[1]))
+        out, lse, _ = self.run_forward(inp, inp.q, inp.k, inp.v, with_lse=inp.needs_lse, with_lse_lo=False)
         return out, lse
 
-    def run_backward(self, inp, q, k, v, out, lse, dout, dlse, float32_grads=False):
+    def run_forward(self, inp, q, k, v, with_lse=True, float32_out=False, with_lse_lo=True):
+        """(out, lse, lse_lo); lse is None without with_lse (a decoding step saves allocating
+        it), lse_lo (what lse's rounding lost, for the backward) without either. out is in the
+        inputs' dtype, or in float32 with float32_out (ring attention merges the blocks'
+        outputs: bfloat16 ones would be rounded before the merge)."""
+        out = _empty(inp.kind, "float32" if float32_out else q.dtype, (inp.B, inp.Hq, inp.Lq, inp.Dv))
+        lse = _empty(inp.kind, "float32", (inp.B, inp.Hq, inp.Lq)) if with_lse else None
+        lse_lo = _empty(inp.kind, "float32", (inp.B, inp.Hq, inp.Lq)) if with_lse and with_lse_lo else None
+        counts = None if base.tile_counter is None else np.zeros(2, dtype=np.int64)
+        blocks = self.block_sizes(inp)
+        *arrays, lo_out = _for_kernel(q, k, v, out, lse, lse_lo)
+        _native.forward(*arrays, inp.scale, *blocks, self.num_threads, **kernel_extras(inp, blocks),
+                        tile_counts=counts, float32_on_amx=self.float32_on_amx, lse_lo=lo_out)
+        if counts is not None:
+            base.count_tiles(computed=int(counts[0]), masked=int(counts[1]))
+        return out, lse, lse_lo
+
+    def run_backward(self, inp, q, k, v, out, lse, dout, dlse, float32_grads=False, lse_lo=None):
         """(dq, dk, dv) in the inputs' dtype, or in float32 with float32_grads (ring attention
         sums the blocks' gradients: bfloat16 ones would be rounded before the sum)."""
         import torch
 
         dout = dout.contiguous()
         delta = softmax_delta(out, dout, dlse)
+        lse_lo = None if lse_lo is None else lse_lo.contiguous()
         dq, dk, dv = (torch.empty(x.shape, dtype=torch.float32 if float32_grads else x.dtype) for x in (q, k, v))
-        _native.backward(*_for_kernel(q, k, v, dout, lse.contiguous(), delta.contiguous(), dq, dk, dv), inp.scale,
-                         BLOCK_Q, BLOCK_K, self.num_threads, **kernel_extras(inp, (BLOCK_Q, BLOCK_K)))
+        *arrays, lo_in = _for_kernel(q, k, v, dout, lse.contiguous(), delta.contiguous(), dq, dk, dv, lse_lo)
+        _native.backward(*arrays, inp.scale, BLOCK_Q, BLOCK_K, self.num_threads,
+                         **kernel_extras(inp, (BLOCK_Q, BLOCK_K)), lse_lo=lo_in)
         return dq, dk, dv
 
     def workspace_bytes(self, inp):
         threads = self.num_threads
         return tile_workspace(threads, *self.block_sizes(inp), inp.group, inp.D, inp.Dv, "float32") \
-            + 4 * inp.B * inp.Hq * inp.Lq + self._packed_bytes(inp) + self._mask_bytes(inp)
+            + (8 if inp.needs_grad else 4) * inp.B * inp.Hq * inp.Lq + self._packed_bytes(inp) \
+            + self._mask_bytes(inp)  # lse, and lse_lo for the backward
 
     def automatic_refusal(self, inp):
         # A mask that is not key intervals reaches the kernel as a byte per score of its PARTIAL

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..masks import EMPTY
 from .base import (Backend, Capabilities, autograd_attention, cdiv, compute_dtype_name, dropout_bytes_per_score,
-                   row_tile_classes, tile_workspace)
+                   row_tile_classes, split_lse, tile_workspace)
 from .tiling import TileRule, partial_flags
 
 #: Score-tile elements (all rows together) the kernel aims for: big tiles mean fewer
@@ -65,7 +65,7 @@ def _stacked_q(q5, q0, q1):
 
 def forward_tiled(inp, q, k, v, keep_sum_dtype=False):
     """(out (B, Hq, Lq, Dv) in q's dtype, or with keep_sum_dtype in the compute dtype it was
-    summed in; lse (B, Hq, Lq) in the compute dtype)."""
+    summed in; lse (B, Hq, Lq) in the compute dtype, and lse_lo, what lse's rounding lost)."""
     import torch
 
     cdt = getattr(torch, compute_dtype_name(inp.dtype))
@@ -75,6 +75,7 @@ def forward_tiled(inp, q, k, v, keep_sum_dtype=False):
     k3, v3 = k.reshape(R, inp.Lk, inp.D), v.reshape(R, inp.Lk, inp.Dv)
     out = torch.empty(R, G, inp.Lq, inp.Dv, dtype=cdt if keep_sum_dtype else q.dtype, device=q.device)
     lse = torch.empty(R, G, inp.Lq, dtype=cdt, device=q.device)
+    lse_lo = torch.empty(R, G, inp.Lq, dtype=cdt, device=q.device)
     for t in range(tiles.nq):
         q0, q1 = tiles.q_range(t, inp.Lq)
         qt = _stacked_q(q5, q0, q1).to(cdt) * inp.scale  # (R, G*bq, D), scale folded in
@@ -103,9 +104,11 @@ def forward_tiled(inp, q, k, v, keep_sum_dtype=False):
         safe_m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
         out[:, :, q0:q1] = torch.where(has_key, acc / torch.where(has_key, l, torch.ones_like(l)),
                                        torch.zeros_like(acc)).reshape(R, G, q1 - q0, inp.Dv)
-        lse[:, :, q0:q1] = torch.where(has_key, safe_m + torch.log(l), torch.full_like(l, float("-inf"))
-                                       ).reshape(R, G, q1 - q0)
-    return out.reshape(inp.B, inp.Hq, inp.Lq, inp.Dv), lse.reshape(inp.B, inp.Hq, inp.Lq)
+        row_lse, row_lo = split_lse(safe_m, torch.log(l))
+        lse[:, :, q0:q1] = torch.where(has_key, row_lse, float("-inf")).reshape(R, G, q1 - q0)
+        lse_lo[:, :, q0:q1] = torch.where(has_key, row_lo, 0.0).reshape(R, G, q1 - q0)
+    shape = (inp.B, inp.Hq, inp.Lq)
+    return out.reshape(*shape, inp.Dv), lse.reshape(shape), lse_lo.reshape(shape)
 
 
 def _online_step(m, l, acc, s, vt, keep):
@@ -123,9 +126,9 @@ def _online_step(m, l, acc, s, vt, keep):
     return m_new, l, acc
 
 
-def backward_tiled(inp, q, k, v, out, lse, dout, dlse, keep_sum_dtype=False):
-    """(dq, dk, dv) by recomputing each tile's probabilities from the saved lse; in the inputs'
-    dtypes, or with keep_sum_dtype in the one they were summed in (lse's)."""
+def backward_tiled(inp, q, k, v, out, lse, dout, dlse, keep_sum_dtype=False, lse_lo=None):
+    """(dq, dk, dv) by recomputing each tile's probabilities from the saved lse (and lse_lo,
+    if given); in the inputs' dtypes, or with keep_sum_dtype in the one they were summed in (lse's)."""
     import torch
 
     cdt = lse.dtype
@@ -140,6 +143,7 @@ def backward_tiled(inp, q, k, v, out, lse, dout, dlse, keep_sum_dtype=False):
         delta = delta - dlse.to(cdt).reshape(R, G, inp.Lq)
     lse5 = lse.reshape(R, G, inp.Lq)
     lse5 = torch.where(lse5 == float("-inf"), torch.full_like(lse5, float("inf")), lse5)  # empty rows: P = 0
+    lo5 = torch.zeros_like(lse5) if lse_lo is None else lse_lo.reshape(R, G, inp.Lq).to(cdt)
     dq = torch.zeros(R, G, inp.Lq, inp.D, dtype=cdt, device=q.device)
     dk = torch.zeros(R, inp.Lk, inp.D, dtype=cdt, device=q.device)
     dv = torch.zeros(R, inp.Lk, inp.Dv, dtype=cdt, device=q.device)
@@ -156,13 +160,14 @@ def backward_tiled(inp, q, k, v, out, lse, dout, dlse, keep_sum_dtype=False):
             vt = _pick(v3[:, k0:k1], sel).to(cdt)
             dot = _pick(_stacked_q(do5, q0, q1), sel)  # (r, G*bq, Dv)
             lse_t = _pick(_stacked_q(lse5[..., None], q0, q1), sel)  # (r, G*bq, 1)
+            lo_t = _pick(_stacked_q(lo5[..., None], q0, q1), sel)  # (r, G*bq, 1)
             delta_t = _pick(_stacked_q(delta[..., None], q0, q1), sel)
             raw = qt @ kt.transpose(1, 2)  # (r, G*bq, bk)
             grad_mod, s = _modified_with_grad(rule, raw)
             allowed = rule.allowed()
             if allowed is not None:
                 s = s.masked_fill(~allowed, float("-inf"))
-            p = torch.exp(s - lse_t)  # (r, G*bq, bk), the forward's probabilities
+            p = torch.exp((s - lse_t).sub_(lo_t))  # (r, G*bq, bk), the forward's probabilities
             keep = rule.dropout(p)
             dp = dot @ vt.transpose(1, 2)  # (r, G*bq, bk)
             if keep is not None:
@@ -213,25 +218,25 @@ class TorchBackend(Backend):
     def block_sizes(self, inp):
         return choose_blocks(inp.B * inp.Hkv, inp.group, inp.Lq, inp.Lk)
 
-    def run_backward(self, inp, q, k, v, out, lse, dout, dlse, float32_grads=False):
+    def run_backward(self, inp, q, k, v, out, lse, dout, dlse, float32_grads=False, lse_lo=None):
         """(dq, dk, dv) from a saved forward (used by ring attention for its blocks): in the
         inputs' dtype, or, with float32_grads, in the dtype they were summed in (float32 or wider)."""
-        return backward_tiled(inp, q, k, v, out, lse, dout, dlse, keep_sum_dtype=float32_grads)
+        return backward_tiled(inp, q, k, v, out, lse, dout, dlse, keep_sum_dtype=float32_grads, lse_lo=lse_lo)
 
     def run_forward(self, inp, q, k, v, float32_out=False):
-        """(out, lse) without autograd (used by ring attention for its blocks): out in the
+        """(out, lse, lse_lo) without autograd (used by ring attention for its blocks): out in the
         inputs' dtype, or, with float32_out, in the dtype it was summed in (float32 or wider)."""
         return forward_tiled(inp, q, k, v, keep_sum_dtype=float32_out)
 
     def forward(self, inp):
         if inp.needs_grad:
             return autograd_attention(forward_tiled, backward_tiled, inp.q, inp.k, inp.v, inp, inp.held_tensors())
-        return forward_tiled(inp, inp.q, inp.k, inp.v)
+        return forward_tiled(inp, inp.q, inp.k, inp.v)[:2]
 
     def workspace_bytes(self, inp):
         rows = inp.B * inp.Hkv
         block_q, block_k = choose_blocks(rows, inp.group, inp.Lq, inp.Lk)
-        lse = inp.B * inp.Hq * inp.Lq * (8 if inp.dtype == "float64" else 4)
+        lse = 2 * inp.B * inp.Hq * inp.Lq * (8 if inp.dtype == "float64" else 4)  # lse and lse_lo
         # dropout's temporaries, on the high side (B=1, H=4, 1024 x 2048: 23 bytes a score held
         # in float32, 60 in float64; counted 49 and 65)
         dropout = rows * block_q * block_k * dropout_bytes_per_score(inp, int64_words=4, float_copies=4)

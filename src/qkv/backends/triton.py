@@ -72,10 +72,10 @@ class TritonBackend(Backend):
         call = _Call(inp, _plan_masks(inp))
         if inp.needs_grad:
             return autograd_attention(_forward, _backward, inp.q, inp.k, inp.v, call)
-        return _forward(call, inp.q, inp.k, inp.v)
+        return _forward(call, inp.q, inp.k, inp.v)[:2]
 
     def workspace_bytes(self, inp):
-        return 4 * inp.B * inp.Hq * inp.Lq  # lse; tiles live in registers and shared memory
+        return 8 * inp.B * inp.Hq * inp.Lq  # lse and lse_lo; tiles live in registers and shared memory
 
 
 # Heads and batch rows are the launch grids' 2nd and 3rd dims, which CUDA caps at 65535.
@@ -339,7 +339,7 @@ def _cache_key(inp, args):
 
 
 def _forward(call: _Call, q, k, v):
-    """(out (B, Hq, Lq, Dv) in q's dtype, lse (B, Hq, Lq) float32)."""
+    """(out (B, Hq, Lq, Dv) in q's dtype, lse and lse_lo (B, Hq, Lq) float32)."""
     import torch
 
     from . import _triton_kernels as kernels
@@ -347,21 +347,21 @@ def _forward(call: _Call, q, k, v):
     inp = call.inp
     args = call.device_args(q)
     out = torch.empty(inp.B, inp.Hq, inp.Lq, inp.Dv, dtype=q.dtype, device=q.device)
-    lse = torch.empty(inp.B, inp.Hq, inp.Lq, dtype=torch.float32, device=q.device)
+    lse, lse_lo = (torch.empty(inp.B, inp.Hq, inp.Lq, dtype=torch.float32, device=q.device) for _ in range(2))
 
     def run(blocks):
         return kernels.attention_forward[(cdiv(inp.Lq, blocks.m), inp.Hq, inp.B)](
-            q, k, v, out, lse, args.lo, args.hi, args.ids, args.kv_ids, args.slopes,
+            q, k, v, out, lse, lse_lo, args.lo, args.hi, args.ids, args.kv_ids, args.slopes,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), *args.strides,
             inp.Hq, inp.Lq, inp.Lk, inp.scale, args.softcap, args.causal_shift, **args.shapes(inp),
             BLOCK_M=blocks.m, BLOCK_N=blocks.n, num_warps=blocks.warps, num_stages=blocks.stages)
 
     with _on_device(q):
         _launch("forward", _cache_key(inp, args), max(inp.D, inp.Dv), inp.dtype, run)
-    return out, lse
+    return out, lse, lse_lo
 
 
-def _backward(call: _Call, q, k, v, out, lse, dout, dlse):
+def _backward(call: _Call, q, k, v, out, lse, dout, dlse, lse_lo=None):
     import torch
 
     from . import _triton_kernels as kernels
@@ -370,6 +370,7 @@ def _backward(call: _Call, q, k, v, out, lse, dout, dlse):
     args = call.device_args(q)
     delta = softmax_delta(out, dout, dlse).contiguous()  # (B, Hq, Lq)
     lse = lse.contiguous()
+    lse_lo = torch.zeros_like(lse) if lse_lo is None else lse_lo.contiguous()
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
 
     def run_dkdv(blocks):
@@ -378,7 +379,7 @@ def _backward(call: _Call, q, k, v, out, lse, dout, dlse):
         else:
             first, end = map(args.to_device, query_block_ranges(plan.lo, plan.hi, inp.Lq, inp.Lk, blocks.m, blocks.n))
         return kernels.attention_backward_dkdv[(cdiv(inp.Lk, blocks.n), inp.Hkv, inp.B)](
-            q, k, v, dout, lse, delta, dk, dv, args.lo, args.hi, args.ids, args.kv_ids, args.slopes, first, end,
+            q, k, v, dout, lse, lse_lo, delta, dk, dv, args.lo, args.hi, args.ids, args.kv_ids, args.slopes, first, end,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
             *args.strides, first.stride(0) if first.dim() == 2 else 0,
             inp.Hq, inp.Lq, inp.Lk, inp.scale, args.softcap, args.causal_shift, **args.shapes(inp),
@@ -386,7 +387,7 @@ def _backward(call: _Call, q, k, v, out, lse, dout, dlse):
 
     def run_dq(blocks):
         return kernels.attention_backward_dq[(cdiv(inp.Lq, blocks.m), inp.Hq, inp.B)](
-            q, k, v, dout, lse, delta, dq, args.lo, args.hi, args.ids, args.kv_ids, args.slopes,
+            q, k, v, dout, lse, lse_lo, delta, dq, args.lo, args.hi, args.ids, args.kv_ids, args.slopes,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(), *args.strides,
             inp.Hq, inp.Lq, inp.Lk, inp.scale, args.softcap, args.causal_shift, **args.shapes(inp),
             BLOCK_M=blocks.m, BLOCK_N=blocks.n, num_warps=blocks.warps, num_stages=blocks.stages)
