@@ -340,6 +340,37 @@ print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
     assert out.split() == ["0"]
 
 
+class _ThreadsAroundACall:
+    """A dataset of one item: the threads of the process before and after a native call, and its output."""
+
+    def __init__(self, x):
+        self.x = x
+
+    def __len__(self):
+        return 1
+
+    def __getitem__(self, i):
+        threads = lambda: len(os.listdir("/proc/self/task"))  # noqa: E731
+        before = threads()
+        out = qkv.attention(self.x, self.x, self.x, backend="native")
+        return before, threads(), out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_data_loader_workers_keep_to_torch_threads(monkeypatch):
+    """torch gives each DataLoader worker one thread, so that workers do not fight over the
+    CPUs: the kernel keeps to it there (it used to start num_threads in each), with the bits
+    it gives in the parent."""
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    monkeypatch.setattr(dispatch.REGISTRY["native"], "num_threads", 2)
+    x = torch.randn(1, 8, 512, 64)  # 2^28 multiply-adds: two threads where they may run
+    (before, after, out), = DataLoader(_ThreadsAroundACall(x), num_workers=1, batch_size=None)
+    assert after == before
+    assert torch.equal(out, qkv.attention(x, x, x, backend="native"))
+
+
 def test_qkv_works_and_says_why_without_the_native_module():
     code = ("import sys; sys.modules['qkv._native'] = None\n"
             "import numpy as np, qkv\nfrom qkv import cli\n"

@@ -88,6 +88,13 @@ def default_threads() -> int:
     return available_cpus()
 
 
+def in_data_loader_worker() -> bool:
+    """Whether this process is a worker of a torch DataLoader (which sets torch's threads to 1
+    there, so that the workers do not fight over the CPUs)."""
+    data = sys.modules.get("torch.utils.data")
+    return data is not None and data.get_worker_info() is not None
+
+
 class NativeBackend(Backend):
     name = "native"
     caps = Capabilities(kinds=("numpy", "torch"), devices=("cpu",), dtypes=("float32", "bfloat16"),
@@ -115,6 +122,13 @@ class NativeBackend(Backend):
         if _native.cpu_isa() != _native.isa() and "QKV_ISA" not in os.environ:
             left_out = f"; the CPU has {_native.cpu_isa()}, which the compiler that built qkv could not build"
         return f"{_native.isa()} instructions{left_out}, {self.num_threads} threads ({_native.threading()})"
+
+    def call_threads(self) -> int:
+        """The threads of a call: num_threads, or at most torch's in a DataLoader worker. The
+        work split does not depend on it, so neither do the results."""
+        if in_data_loader_worker():
+            return max(1, min(self.num_threads, sys.modules["torch"].get_num_threads()))
+        return self.num_threads
 
     def extra_reasons(self, inp):
         reasons = inline_score_mod_reasons(inp, (Alibi, Bias, Softcap), "the native kernel")
@@ -153,7 +167,7 @@ class NativeBackend(Backend):
         counts = None if base.tile_counter is None else np.zeros(2, dtype=np.int64)
         blocks = self.block_sizes(inp)
         *arrays, lo_out = _for_kernel(q, k, v, out, lse, lse_lo)
-        _native.forward(*arrays, inp.scale, *blocks, self.num_threads, **kernel_extras(inp, blocks),
+        _native.forward(*arrays, inp.scale, *blocks, self.call_threads(), **kernel_extras(inp, blocks),
                         tile_counts=counts, float32_on_amx=self.float32_on_amx, lse_lo=lo_out)
         if counts is not None:
             base.count_tiles(computed=int(counts[0]), masked=int(counts[1]))
@@ -169,7 +183,7 @@ class NativeBackend(Backend):
         lse_lo = None if lse_lo is None else lse_lo.contiguous()
         dq, dk, dv = (torch.empty(x.shape, dtype=torch.float32 if float32_grads else x.dtype) for x in (q, k, v))
         *arrays, lo_in = _for_kernel(q, k, v, dout, lse.contiguous(), delta.contiguous(), dq, dk, dv, lse_lo)
-        _native.backward(*arrays, inp.scale, BLOCK_Q, BLOCK_K, self.num_threads,
+        _native.backward(*arrays, inp.scale, BLOCK_Q, BLOCK_K, self.call_threads(),
                          **kernel_extras(inp, (BLOCK_Q, BLOCK_K)), lse_lo=lo_in)
         return dq, dk, dv
 
