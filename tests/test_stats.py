@@ -228,6 +228,45 @@ def test_torch_in_torch_out(dtype):
     np.testing.assert_allclose(got.topk_weights.numpy(), want["topk_weights"], atol=atol)
 
 
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+@pytest.mark.parametrize("std", [6, 30])
+def test_float32_statistics_at_large_scores_follow_the_rule(kind, std):
+    """The weights are renormalised against the scores computed here: with the kernel's lse
+    alone they summed to 1 only up to |lse|·1e-7: at q and k of std 6 (scores of std 36) the
+    entropy was off by 1.5e-5 (bound 8.7e-6), at std 30 by 2.4e-4 (bound 1.6e-5)."""
+    if kind == "torch" and torch is None:
+        pytest.skip("needs torch")
+    from qkv.backends.base import ATOL
+
+    rng = np.random.default_rng(11)
+    q32, k32 = ((x * std).astype(np.float32) for x in qk64(rng))
+    mask = qkv.causal(align="top_left")
+    w64 = qkv.attention_weights(q32.astype(np.float64), k32.astype(np.float64), mask)
+    w32 = qkv.attention_weights(q32, k32, mask).astype(np.float64)
+    want, formula = statistics_of(w64, 3), statistics_of(w32, 3)
+    q, k = (q32, k32) if kind == "numpy" else (torch.from_numpy(q32), torch.from_numpy(k32))
+    got = attention_stats(q, k, mask, topk=3)
+    for name in ("entropy", "max_weight", "received", "topk_weights"):
+        err = np.abs(np.asarray(getattr(got, name), dtype=np.float64) - want[name]).max()
+        bound = 2 * np.abs(formula[name] - want[name]).max() + ATOL["float32"] * max(1.0, np.abs(want[name]).max())
+        assert err <= bound, f"{name}: {err:.2e} > {bound:.2e}"
+
+
+def test_statistics_do_not_depend_on_how_the_lse_was_rounded(monkeypatch):
+    """An lse rounded otherwise than the scores computed here (a kernel's other summation
+    order, float32 products on AMX) is renormalised away: moved by 1e-3, the statistics stay
+    where they were."""
+    rng = np.random.default_rng(12)
+    q, k = (x.astype(np.float32) for x in qk64(rng))
+    exact = attention_stats(q, k, qkv.causal(), topk=2)
+    row_lse = stats_module._row_lse
+    monkeypatch.setattr(stats_module, "_row_lse", lambda *args: row_lse(*args) + np.float32(1e-3))
+    moved = attention_stats(q, k, qkv.causal(), topk=2)
+    np.testing.assert_allclose(moved.lse, exact.lse + np.float32(1e-3), rtol=1e-6)  # the lse returned as given
+    for name in ("entropy", "max_weight", "received", "topk_weights"):
+        np.testing.assert_allclose(getattr(moved, name), getattr(exact, name), rtol=0, atol=1e-6, err_msg=name)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_numpy_low_precision_works_in_float32(dtype):
     rng = np.random.default_rng(6)

@@ -15,11 +15,12 @@ Shape legend:
     topk_indices, topk_weights          (..., Hq, Lq, topk)
 
 Every statistic equals the same statistic computed from ``qkv.attention_weights`` (same
-masks, score modifiers and grouped-query heads), up to rounding: the weights are rebuilt from
-each row's lse, as the backward of FlashAttention does, so float32 statistics carry a few
-times the plain formula's rounding error (max_weight off by 2.0e-6 against 4.9e-7 at scale
-1). Inputs in float64 are worked in float64, the other dtypes in float32; NumPy in, NumPy
-out; torch in, torch out (same device, no gradient).
+masks, score modifiers and grouped-query heads), up to rounding. The weights are rebuilt
+from each row's lse, as the backward of FlashAttention does; in float32 one more pass first
+renormalises them against the scores computed here (whose rounding differs from the kernel's,
+and a float32 lse is itself rounded by |lse|·6e-8), so they sum to 1 and the statistics keep
+the plain formula's precision at large scores too. Inputs in float64 are worked in float64,
+the other dtypes in float32; NumPy in, NumPy out; torch in, torch out (same device, no gradient).
 """
 from __future__ import annotations
 
@@ -218,6 +219,34 @@ class _Streamer:
             res.topk_weights = self.xp.where(res.topk_indices < 0, 0.0, res.topk_weights)
         return res
 
+    def _key_tiles(self, t: int, q, qi):
+        """(k0, k1, kind, scores (B, Hq, bq, bk)) of each key tile the mask leaves non-EMPTY,
+        for query tile t with rows qi and q (B, Hq, bq, D), scale folded in."""
+        inp = self.inp
+        for j, k0 in enumerate(range(0, inp.Lk, self.block_k)):
+            kind = self._kind(t, j)
+            if kind == EMPTY:
+                continue
+            k1 = min(k0 + self.block_k, inp.Lk)
+            k = _arrays.astype(inp.k[:, :, k0:k1], self.cdt)  # (B, Hkv, bk, D)
+            yield k0, k1, kind, _modified_scores(inp, q, k, qi, k0, k1, kind == PARTIAL, q_scaled=True)
+
+    def _log_sums(self, t: int, q, qi, lse):
+        """log sum_j exp(s_ij - lse_i) (B, Hq, bq, 1) over every key, with the scores computed
+        here. The weights exp(s - lse) sum to 1 only against scores rounded as the kernel's
+        were, and a float32 lse is itself rounded by |lse|·6e-8, so at large scores they would
+        not (entropy off by 2.6e-5 at scores of std 36, 7.3e-4 at std 900); less this, they do."""
+        xp = self.xp
+        total = None
+        for _, _, _, s in self._key_tiles(t, q, qi):
+            s -= lse
+            tile = xp.exp(s).sum(-1)[..., None]  # (B, Hq, bq, 1)
+            total = tile if total is None else total + tile
+        if total is None:
+            return 0.0
+        with np.errstate(divide="ignore"):
+            return xp.where(total > 0, xp.log(total), 0.0)  # rows with no key stay at weight 0
+
     def _query_tile(self, res, received, t: int, q0: int):
         """Every key tile against the query rows [q0, q0 + block_q)."""
         inp, xp = self.inp, self.xp
@@ -225,17 +254,13 @@ class _Streamer:
         q = _arrays.astype(inp.q[:, :, q0:q1], self.cdt) * inp.scale  # (B, Hq, bq, D), scale folded in
         qi = np.arange(q0, q1)
         lse = self.safe_lse[:, :, q0:q1]  # (B, Hq, bq, 1)
+        log_sums = self._log_sums(t, q, qi, lse) if self.cdt != "float64" else 0.0  # float64: exact enough
         entropy, best, top = res.entropy[:, :, q0:q1], None, None  # entropy: a view, summed into
         if self.topk:
             top = (res.topk_weights[:, :, q0:q1], res.topk_indices[:, :, q0:q1])
-        for j, k0 in enumerate(range(0, inp.Lk, self.block_k)):
-            kind = self._kind(t, j)
-            if kind == EMPTY:
-                continue
-            k1 = min(k0 + self.block_k, inp.Lk)
-            k = _arrays.astype(inp.k[:, :, k0:k1], self.cdt)  # (B, Hkv, bk, D)
-            z = _modified_scores(inp, q, k, qi, k0, k1, kind == PARTIAL, q_scaled=True)  # (B, Hq, bq, bk)
+        for k0, k1, kind, z in self._key_tiles(t, q, qi):
             z -= lse  # log of the weights, in place
+            z -= log_sums
             tile_best = _amax(z, -1)  # (B, Hq, bq)
             best = tile_best if best is None else xp.maximum(best, tile_best)
             w = xp.exp(z)  # (B, Hq, bq, bk) the weights of this tile

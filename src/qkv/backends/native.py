@@ -106,8 +106,8 @@ class NativeBackend(Backend):
         # parts (csrc/kernel.h, amx_matmul_parts). Off by default: on the shared 2-CPU machine
         # qkv is measured on it ran 0.75-1.37x as fast as the FMA units (paired calls, L=4096)
         # and lost below about 2048 queries per KV head, where splitting K and V costs more
-        # than it saves (README, "Speed"). attention_stats, which pairs this lse with scores
-        # of its own, is then less exact (README, "The native kernel").
+        # than it saves (README, "Speed"). The backward, on the FMA units, then rebuilds the
+        # weights from scores rounded otherwise than the forward's, so lse_lo helps it less.
         self.float32_on_amx = False
 
     def missing(self):
