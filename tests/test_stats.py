@@ -252,6 +252,24 @@ def test_float32_statistics_at_large_scores_follow_the_rule(kind, std):
         assert err <= bound, f"{name}: {err:.2e} > {bound:.2e}"
 
 
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_equal_weights_rank_the_lower_keys_first(kind, tiles):
+    """q = 0 gives every allowed key of a row the same weight: the top-k are the first allowed
+    keys, as a stable sort of the explicit weights ranks them (they used to be any of them,
+    and NumPy and torch picked different ones)."""
+    if kind == "torch" and torch is None:
+        pytest.skip("needs torch")
+    rng = np.random.default_rng(13)
+    q, k = np.zeros((B, HQ, LQ, D), np.float32), rng.standard_normal((B, HKV, LK, D)).astype(np.float32)
+    mask = qkv.window(left=9, right=3) & qkv.padding([LK, 30])
+    w = qkv.attention_weights(q.astype(np.float64), k.astype(np.float64), mask)
+    first = np.argsort(-w, axis=-1, kind="stable")[..., :6]
+    want = np.where(np.take_along_axis(w, first, -1) > 0, first, -1)
+    args = (q, k) if kind == "numpy" else (torch.from_numpy(q), torch.from_numpy(k))
+    got = attention_stats(*args, mask, topk=6)
+    np.testing.assert_array_equal(np.asarray(got.topk_indices), want)
+
+
 def test_statistics_do_not_depend_on_how_the_lse_was_rounded(monkeypatch):
     """An lse rounded otherwise than the scores computed here (a kernel's other summation
     order, float32 products on AMX) is renormalised away: moved by 1e-3, the statistics stay

@@ -58,7 +58,8 @@ class AttentionStats:
             (what KV-cache eviction policies rank keys by).
         lse: (..., Hq, Lq) the log-sum-exp of each row's scores (-inf for a row with no key).
         topk_indices: (..., Hq, Lq, topk) int64, the keys with the largest weights, largest
-            first; -1 where a row has fewer than topk allowed keys. None when topk=0.
+            first, the lower key first among equal weights; -1 where a row has fewer than
+            topk allowed keys. None when topk=0.
         topk_weights: (..., Hq, Lq, topk) their weights (0 where the index is -1; NaN, with
             real indices, in a row a NaN input reaches).
     """
@@ -354,16 +355,40 @@ def _concat(a, b):
 
 
 def _largest(values, indices, n: int):
-    """The n largest values along the last axis, largest first, and their indices."""
-    if _arrays.is_torch(values):
-        top, where = values.topk(n, dim=-1)
-        return top, indices.gather(-1, where)
-    # NaN first, as torch's topk ranks it (NumPy's sorts put it last): a NaN weight propagates
-    descending = np.where(np.isnan(values), -np.inf, -values)
-    where = np.argpartition(descending, n - 1, axis=-1)[..., :n]
-    order = np.argsort(np.take_along_axis(descending, where, -1), axis=-1, kind="stable")
-    where = np.take_along_axis(where, order, -1)
-    return np.take_along_axis(values, where, -1), np.take_along_axis(indices, where, -1)
+    """The n largest values along the last axis, largest first, and their indices. Equal
+    values keep their order along the axis: the running top-k comes before a new tile and
+    holds lower keys, so among equal weights the lowest keys win, on NumPy and torch alike.
+    A NaN ranks first (it propagates), as torch's sorts rank it."""
+    torch_in = _arrays.is_torch(values)
+    # descending: a key whose ascending order is the wanted one (NaN first)
+    descending = -values if torch_in else np.where(np.isnan(values), -np.inf, -values)
+    where = _smallest_positions(descending, n)
+    return _take(values, where), _take(indices, where)
+
+
+def _smallest_positions(keys, n: int):
+    """Positions of the n smallest keys along the last axis, in a stable order: selected
+    without a full sort (it would cost more than the rest of the statistics), then the rows
+    where equal keys at the n-th place were left out for later ones sorted whole."""
+    if _arrays.is_torch(keys):
+        where = keys.topk(n, dim=-1, largest=False).indices.sort(dim=-1).values  # positions ascending
+        where = _take(where, _take(keys, where).sort(dim=-1, stable=True).indices)
+    else:
+        where = np.sort(np.argpartition(keys, n - 1, axis=-1)[..., :n], axis=-1)
+        where = _take(where, np.argsort(_take(keys, where), axis=-1, kind="stable"))
+    nth = _take(keys, where[..., -1:])
+    ties_left_out = (keys == nth).sum(-1) > (_take(keys, where) == nth).sum(-1)
+    if ties_left_out.any():
+        rows = keys[ties_left_out]
+        ordered = rows.sort(dim=-1, stable=True).indices if _arrays.is_torch(rows) else \
+            np.argsort(rows, axis=-1, kind="stable")
+        where[ties_left_out] = ordered[..., :n]
+    return where
+
+
+def _take(x, where):
+    """x's entries at positions `where` along the last axis (NumPy or torch)."""
+    return x.gather(-1, where) if _arrays.is_torch(x) else np.take_along_axis(x, where, -1)
 
 
 # --------------------------------------------------------------------------------------
