@@ -194,7 +194,7 @@ def test_nan_in_an_allowed_input_propagates():
 
 @pytest.mark.skipif(torch is None, reason="needs torch")
 def test_nan_weights_lead_the_top_k_on_numpy_as_on_torch():
-    """NumPy's sorts put NaN last, torch's topk first: a NaN row's top weights are NaN on both
+    """NumPy's sorts put NaN last, torch's first: a NaN row's top weights are NaN on both
     (not -1 indices and 0 weights, which would read as a row with nothing allowed)."""
     rng = np.random.default_rng(4)
     q, k = qk64(rng)

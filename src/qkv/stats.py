@@ -358,10 +358,9 @@ def _largest(values, indices, n: int):
     """The n largest values along the last axis, largest first, and their indices. Equal
     values keep their order along the axis: the running top-k comes before a new tile and
     holds lower keys, so among equal weights the lowest keys win, on NumPy and torch alike.
-    A NaN ranks first (it propagates), as torch's sorts rank it."""
-    torch_in = _arrays.is_torch(values)
-    # descending: a key whose ascending order is the wanted one (NaN first)
-    descending = -values if torch_in else np.where(np.isnan(values), -np.inf, -values)
+    A NaN ranks first (it propagates)."""
+    xp = _arrays.namespace(values)
+    descending = xp.where(xp.isnan(values), -np.inf, -values)  # ascending in the order wanted
     where = _smallest_positions(descending, n)
     return _take(values, where), _take(indices, where)
 
