@@ -69,19 +69,25 @@ class NumpyBackend(Backend):
             inp.group, q1 - q0)
 
     def workspace_bytes(self, inp):
+        cdt = compute_dtype_name(inp.dtype)
         workers = min(available_cpus(), max(1, inp.B * inp.Hkv * cdiv(inp.Lq, self.block_q)))
-        tiles = tile_workspace(workers, self.block_q, self.block_k, inp.group, inp.D, inp.Dv, inp.dtype)
+        bq, bk = min(self.block_q, inp.Lq), min(self.block_k, inp.Lk)  # tiles are cut to the lengths
+        tiles = tile_workspace(workers, bq, bk, inp.group, inp.D, inp.Dv, inp.dtype)
+        # beyond those: a worker's copies of its K and V tiles and the output's two
+        # temporaries of each step (acc * alpha, p @ v)
+        tiles += workers * (bk * (inp.D + inp.Dv) + inp.group * bq * 2 * inp.Dv) * nbytes(cdt)
         lse = inp.B * inp.Hq * inp.Lq * (8 if inp.dtype == "float64" else 4)
         # dropout: 13 bytes a score traced in float32, 16 in float64 (test_memory); counted 21 and 25
         per_score = self._mask_bytes_per_score(inp) + dropout_bytes_per_score(inp, int64_words=2, float_copies=1)
-        return tiles + lse + workers * self.block_q * self.block_k * per_score
+        return tiles + lse + workers * bq * bk * per_score
 
     @staticmethod
     def _mask_bytes_per_score(inp) -> int:
         """A masked tile's temporaries, per (query, key) pair: for each head of the group the
-        rule's answer (bool) and the masked scores; a rule of the user's is assumed to hold two
-        int64 index temporaries, as `(qi - ki) % 3 != 0` does (its indices broadcast over heads)."""
+        rule's answer (bool), and then the masked scores; a rule of the user's is assumed to
+        hold two int64 index temporaries while it runs, as `(qi - ki) % 3 != 0` does (its
+        indices broadcast over heads), freed before the masked scores are made."""
         if inp.mask is None:
             return 0
         user_rule = 2 * 8 if runs_user_rule(inp.mask) else 0
-        return inp.group * (1 + nbytes(compute_dtype_name(inp.dtype))) + user_rule
+        return inp.group * 1 + max(user_rule, inp.group * nbytes(compute_dtype_name(inp.dtype)))
