@@ -1,5 +1,8 @@
 """`qkv bench`: it measures what it says, on tiny shapes (timings are never asserted)."""
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -21,7 +24,22 @@ def test_a_small_run_reports_every_implementation_with_ratios(tmp_path, capsys):
         assert row["rate"] == pytest.approx(4 * 2 * 64 * 64 * 16 / row["seconds"] / 1e9)
     assert rows["torch sdpa"]["ratio_to_torch"] == pytest.approx(1.0)
     assert report["machine"]["torch"] and report["machine"]["qkv"]
-    assert "qkv bench" in capsys.readouterr().out
+    native = dispatch.REGISTRY["native"]
+    if native.missing() is None:  # the threads the kernel ran on, not the CPUs
+        assert report["machine"]["native_threads"] == native.num_threads
+    printed = capsys.readouterr().out
+    assert "qkv bench" in printed and f"{report['machine']['cpus']} CPUs" in printed
+
+
+def test_the_header_names_the_threads_the_kernels_run_on():
+    code = "from qkv import cli; cli.main(['bench', '--shape', '1,2,64,16', '--repeats', '1', '--no-peers'])"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "QKV_NUM_THREADS": "1", "COLUMNS": "200"})
+    assert done.returncode == 0, done.stderr
+    header = done.stdout.splitlines()[0]
+    assert " CPUs, native kernel: " in header and "torch on " in header
+    if dispatch.REGISTRY["native"].missing() is None:
+        assert " on 1 " in header, header  # QKV_NUM_THREADS=1, whatever the CPUs
 
 
 def test_decoding_is_measured_against_a_plain_read_in_the_same_rounds(tmp_path):

@@ -335,7 +335,8 @@ def machine() -> dict:
 
     return {
         "cpu": cpu_name(), "machine": platform.machine(),
-        "threads": available_cpus(),
+        "cpus": available_cpus(),
+        "native_threads": dispatch.REGISTRY["native"].call_threads() if native._native else None,
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__, "qkv": __version__,
         "native_isa": native._native.isa() if native._native else "not built",
@@ -456,8 +457,9 @@ def run(args) -> int:
     info = machine()
     if args.device == "cuda":
         console.print(f"GPU: {info['gpu']} (CUDA {info['cuda']}), triton {info['triton']}; host {info['cpu']}")
-    console.print(f"{info['cpu']} ({info['machine']}), {info['threads']} threads, native kernel: {info['native_isa']}"
-                  f"{' on ' + info['native_threading'] + ' threads' if info['native_threading'] else ''}; "
+    native_runs = f" on {info['native_threads']} {info['native_threading']} threads" if info["native_threads"] else ""
+    console.print(f"{info['cpu']} ({info['machine']}), {info['cpus']} CPUs, native kernel: {info['native_isa']}"
+                  f"{native_runs}, torch on {info['torch_threads']} threads; "
                   f"qkv {info['qkv']}, torch {info['torch']}, numpy {info['numpy']}, python {info['python']}")
     results = []
     with Progress(console=console, transient=True) as bar:
@@ -515,7 +517,7 @@ def plot(results: list[Result], path: str, info: dict) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("sequence length (B=1, H=8, D=64, float32)")
     ax.set_ylabel("GFLOP/s")
-    ax.set_title(f"attention forward, {info['cpu']}, {info['threads']} threads", fontsize=9)
+    ax.set_title(f"attention forward, {info['cpu']}, {info['cpus']} CPUs", fontsize=9)
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
