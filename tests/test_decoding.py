@@ -75,11 +75,55 @@ def test_gradients_reach_every_decoding_step():
         start += n
     for got, want in zip(gradients(outs), full):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    cache.reset()  # a recorded graph holds the arrays: reset gives new ones
     with torch.no_grad():  # without a graph the cache is written in place again
         keys = cache.keys
-        cache.reset()
         mha(x[:, :2], cache=cache)
-        assert cache.keys is keys
+        assert cache.keys is keys and not keys.requires_grad
+
+
+def test_a_reset_cache_records_the_next_sequence_afresh():
+    """After a recorded sequence and its backward, reset() and a second recorded sequence: its
+    backward gives what a fresh cache's does (it used to backward into the first graph)."""
+    torch = pytest.importorskip("torch")
+    mha, _, _ = make("torch", num_kv_heads=2)
+    xs = torch.tensor(np.random.default_rng(4).standard_normal((2, 2, 6, D_MODEL)))
+
+    def sequence_grads(cache, x):
+        mha.zero_grad()
+        outs = [mha(x[:, :4], cache=cache)[0], mha(x[:, 4:5], cache=cache)[0], mha(x[:, 5:], cache=cache)[0]]
+        torch.cat(outs, dim=1).square().sum().backward()
+        return [p.grad.clone() for p in mha.parameters()]
+
+    reused = mha.init_cache(2, 8)
+    for x in xs:
+        reused.reset()
+        got = sequence_grads(reused, x)
+        for g, want in zip(got, sequence_grads(mha.init_cache(2, 8), x)):
+            torch.testing.assert_close(g, want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_step_without_grad_leaves_recorded_steps_intact():
+    """A prompt recorded for a loss, then a token generated under no_grad with the same cache:
+    the prompt's backward still works and gives what it gives without that token (the token
+    used to be written in place into the keys the prompt's graph saved)."""
+    torch = pytest.importorskip("torch")
+    mha, _, _ = make("torch", num_kv_heads=2)
+    x = torch.tensor(np.random.default_rng(5).standard_normal((2, 6, D_MODEL)))
+
+    def prompt_grads(then_a_token):
+        mha.zero_grad()
+        cache = mha.init_cache(2, 8)
+        prompt = mha(x[:, :4], cache=cache)[0]
+        if then_a_token:
+            with torch.no_grad():
+                mha(x[:, 4:5], cache=cache)
+            assert cache.length == 5
+        prompt.square().sum().backward()
+        return [p.grad.clone() for p in mha.parameters()]
+
+    for got, want in zip(prompt_grads(True), prompt_grads(False)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def mha_state(mha):

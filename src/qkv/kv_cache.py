@@ -77,7 +77,7 @@ class KVCache:
                              f"{self.length} are filled and this call adds {n}; "
                              "create it with a larger max_len (module.init_cache(batch_size, max_len))")
         end = self.length + n
-        if _records_graph(k, v, self.keys):  # a new version: graphs of earlier steps keep theirs
+        if _new_version(k, v, self.keys):  # graphs of earlier steps keep theirs
             self.keys = self.keys.slice_scatter(k, dim=2, start=self.length, end=end)
             self.values = self.values.slice_scatter(v, dim=2, start=self.length, end=end)
         else:
@@ -93,8 +93,12 @@ class KVCache:
         self.length += n
 
     def reset(self) -> None:
-        """Forget every position (the arrays are kept and overwritten by the next calls)."""
+        """Forget every position. The arrays are kept and overwritten by the next calls, unless
+        a graph autograd recorded holds them: new ones then, so the next sequence's graph does
+        not hang from the last one's (nor keep it alive)."""
         self.length = 0
+        if _arrays.is_torch(self.keys) and self.keys.requires_grad:
+            self.keys, self.values = (_zeros(x.shape, x) for x in (self.keys, self.values))
 
     def _check_new(self, k, v):
         keys = self.keys
@@ -123,11 +127,14 @@ class KVCache:
         return f"KVCache(batch_size={B}, num_kv_heads={H}, depth={depth}, length={self.length}, max_len={T})"
 
 
-def _records_graph(k, v, keys) -> bool:
-    """Whether autograd records this write: writing in place would then change what earlier
-    steps' graphs saved (torch's backward refuses that)."""
-    return (_arrays.grad_enabled() and _arrays.is_torch(keys)
-            and (k.requires_grad or v.requires_grad or keys.requires_grad))
+def _new_version(k, v, keys) -> bool:
+    """Whether this write must make a new version of the cache rather than write in place:
+    where a recorded graph holds the cache (a step under no_grad after recorded ones too), or
+    where autograd records this write. In place, it would change what earlier steps' graphs
+    saved, and torch's backward refuses that."""
+    if not _arrays.is_torch(keys):
+        return False
+    return keys.requires_grad or (_arrays.grad_enabled() and (k.requires_grad or v.requires_grad))
 
 
 def _zeros(shape, like):
