@@ -345,3 +345,21 @@ def test_a_3d_mask_tensor_is_refused_as_ambiguous_and_4d_ones_mean_what_they_say
     np.testing.assert_allclose(np64(out[1]), np64(mha(x[1:], x[1:, :2])[0][0]), **TIGHT)
     np.testing.assert_allclose(np64(out[0]), np64(mha(x[:1])[0][0]), **TIGHT)
     assert mha(x, mask=per_row[:1])[0].shape == (2, 3, 8)  # one row for every batch row: not ambiguous
+
+
+@pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_float_mask_under_autocast_takes_the_heads_dtype(bias_dtype, cached):
+    """Under torch's autocast the heads are in autocast's dtype (widened back with a cache): a
+    float mask in the module's dtype or in autocast's is cast to them, as torch's own module
+    does; it used to be refused in one of the two, whichever the heads were not."""
+    torch.manual_seed(0)
+    mha = qt.MultiHeadAttention(32, 4, num_kv_heads=2)
+    x = torch.randn(2, 6, 32)
+    bias = torch.randn(6, 6)
+    cache = lambda: mha.init_cache(2, 6) if cached else None  # noqa: E731 - a cached call is causal
+    with torch.no_grad():
+        want = mha(x, mask=bias, cache=cache())[0]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = mha(x, mask=bias.to(bias_dtype), cache=cache())[0]
+    torch.testing.assert_close(got.float(), want, rtol=0, atol=0.05)

@@ -161,9 +161,10 @@ class AttentionCore:
         q = self._split_heads(self._project(query, "q"), self.num_heads)  # (B, Hq, Lq, depth)
         k = self._split_heads(self._project(key, "k"), self.num_kv_heads)  # (B, Hkv, Lk, depth)
         v = self._split_heads(self._project(value, "v"), self.num_kv_heads)  # (B, Hkv, Lk, depth)
+        if cache is not None and k.dtype != cache.keys.dtype:  # torch's autocast narrowed the projections
+            q, k, v = (x.to(cache.keys.dtype) for x in (q, k, v))  # (_check_cache refuses the rest): widened
+        mask = _arrays.autocast_cast(mask, q)  # a float mask (bias) in the heads' dtype, under autocast
         if cache is not None:
-            if k.dtype != cache.keys.dtype:  # torch's autocast narrowed the projections (_check_cache
-                q, k, v = (x.to(cache.keys.dtype) for x in (q, k, v))  # refuses the rest): widen them back
             mask, score_mod = _with_causal(mask, score_mod, q, cache.length)
             k, v = cache.stage(k, v)  # (B, Hkv, length + Lq, depth): cached and new positions
         heads = attention(q, k, v, mask, score_mod=score_mod, dropout_p=dropout_p)  # (B, Hq, Lq, depth)

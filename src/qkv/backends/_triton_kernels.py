@@ -2,8 +2,9 @@
 
 Imported only when the backend runs (it needs triton). Scores live in log2 units
 (scale * log2(e) folded into one multiply) so the softmax uses exp2; lse is stored in
-natural log, with LSE_LO, what its float32 rounding lost (the units are converted in float64,
-once per row, so the backward's probabilities do not lose |lse|·1e-7 to them). Masks arrive as per-query key intervals lo <= j <= hi (causal, window,
+natural log, with LSE_LO, what its float32 rounding lost (the units are converted in
+float64, once per row, so the backward's probabilities do not lose |lse|·1e-7 to them).
+Masks arrive as per-query key intervals lo <= j <= hi (causal, window,
 padding, prefix-LM, sorted documents; a lone causal mask's are computed here from its
 shift) and/or segment ids compared inline (unsorted documents). Each query block walks its
 key range in three phases: masked edge tiles, unmasked FULL tiles, masked edge tiles; tiles
