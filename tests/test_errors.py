@@ -331,6 +331,19 @@ BAD = [
     pytest.param(lambda: qkv.scaled_dot_product_attention(TQ[:, 0], TK[:1, 0], TK[:1, 0]), ValueError,
                  r"leading \(batch\) dims of query and key must match.*query \(2, 5, 8\), key \(1, 6, 8\)",
                  id="sdpa-batch-mismatch"),
+    # ---- tensors without strides (they used to fail inside a backend with torch's message) ----
+    pytest.param(tcall(q=TQ.to_sparse()), TypeError, esc("q must be a dense (strided) tensor, got layout "
+                                                         "torch.sparse_coo; pass q.to_dense()"), id="q-sparse"),
+    pytest.param(tcall(k=TK.to_sparse()), TypeError, r"\bk must be a dense \(strided\) tensor, got layout "
+                                                     r"torch\.sparse_coo", id="k-sparse"),
+    pytest.param(tcall(v=TV.to_mkldnn()), TypeError, r"\bv must be a dense \(strided\) tensor, got layout "
+                                                     r"torch\._mkldnn", id="v-mkldnn"),
+    pytest.param(tcall(mask=torch.ones(LQ, LK, dtype=torch.bool).to_sparse()), TypeError,
+                 r"\bmask must be a dense \(strided\) tensor, got layout torch\.sparse_coo", id="mask-sparse"),
+    pytest.param(tcall(mask=torch.zeros(LQ, LK).to_sparse()), TypeError,
+                 r"\bmask must be a dense \(strided\) tensor, got layout torch\.sparse_coo", id="bias-sparse"),
+    pytest.param(lambda: qkv.dense_mask(torch.ones(LQ, LK, dtype=torch.bool).to_sparse()), TypeError,
+                 r"\bmask must be a dense \(strided\) tensor, got layout torch\.sparse_coo", id="dense-mask-sparse"),
 ]
 
 

@@ -161,9 +161,17 @@ def check_score_result(name, result, scores):
     return result
 
 
+def check_strided(name, x):
+    """A torch tensor of another layout (sparse, mkldnn) has no strides to read: named here, not
+    deep inside a backend."""
+    if _arrays.is_torch(x) and x.layout is not sys.modules["torch"].strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {x.layout}; pass {name}.to_dense()")
+
+
 def check_dense_mask(name, array):
     if _arrays.kind_of(array) is None:
         raise TypeError(f"{name} must be a numpy.ndarray or torch.Tensor, got {type(array).__name__}")
+    check_strided(name, array)
     if dtype_name(array) != "bool":
         raise TypeError(f"{name} must be boolean (True = attend), got dtype {array.dtype}")
     return array
@@ -281,6 +289,7 @@ def _check_tensor(name, x, kind, names=("q", "k", "v")):
                         f"{names[0]} is {kind}, {name} is {got}")
     if got == "numpy":
         check_plain_numpy(name, x)
+    check_strided(name, x)
     dtype = dtype_name(x)
     if dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must have a floating dtype ({', '.join(FLOAT_DTYPES)}), got {dtype}")
@@ -318,6 +327,9 @@ def check_qkv(q, k, v, names=("q", "k", "v"), heads=True):
         if not q_dtype == k_dtype == v_dtype:
             dtypes = {nq: q_dtype, nk: k_dtype, nv: v_dtype}
             raise TypeError(f"{listed} must share one dtype (no silent casts); got {dtypes}")
+    if kind == "torch" and not q.layout == k.layout == v.layout:  # q's was checked
+        for name, x in ((nk, k), (nv, v)):
+            check_strided(name, x)
     if kind == "torch" and not (q.is_cpu and k.is_cpu and v.is_cpu) and not q.device == k.device == v.device:
         devices = ", ".join(str(x.device) for x in (q, k, v)[:len(names)])
         raise ValueError(f"{listed} must be on one device; got {devices}")
@@ -387,6 +399,7 @@ def as_mask(mask, kind, dtype, records_graph=False):
                         f"(additive bias); got {type(mask).__name__}")
     if got != kind:
         raise TypeError(f"mask must be of the same kind as q ({kind}), got {got}")
+    check_strided("mask", mask)
     mdtype = dtype_name(mask)
     if mdtype == "bool":
         return masks.DenseMask(mask), ()
