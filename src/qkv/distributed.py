@@ -445,7 +445,8 @@ def _merge(acc_out, acc_lse, rows: slice, out_b, lse_b, lse_lo_b) -> None:
 
 
 def _ring_forward(call: _Call, q, k, v):
-    """(out (B, Hq, Lq/P, Dv) in q's dtype, lse and lse_lo (B, Hq, Lq/P)): the ring, no autograd."""
+    """(out (B, Hq, Lq/P, Dv) as summed, float32 or float64, lse and lse_lo (B, Hq, Lq/P)): the
+    ring, no autograd."""
     import torch
 
     ring, world = call.ring, call.ring.world
@@ -465,7 +466,7 @@ def _ring_forward(call: _Call, q, k, v):
             k_blk, v_blk = incoming  # the block of the previous owner
     lse = acc_lse.to(acc)
     lse_lo = torch.where(torch.isfinite(lse), acc_lse - lse.to(torch.float64), 0.0).to(acc)
-    return acc_out.to(q.dtype), lse, lse_lo
+    return acc_out, lse, lse_lo
 
 
 def _block_forward(call: _Call, b: _Block, q, k_blk, v_blk):
@@ -664,15 +665,12 @@ def ring_attention(q, k, v, mask=None, *, scale=None, layout: str = "contiguous"
 
 def _validate(q, k, v, mask, scale, layout, stats) -> _Call:
     """Everything that can be checked on this rank alone (the global lengths need the world size)."""
-    import torch
-
     inputs.check_qkv(q, k, v)
     if not _arrays.is_torch(q):
         raise TypeError(f"ring_attention takes torch tensors (it runs on torch.distributed), got {type(q).__name__}")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.device.type == "meta" or x.layout != torch.strided:
-            raise TypeError(f"ring_attention takes dense tensors with data, got {name} with layout {x.layout} "
-                            f"on {x.device}")
+    for name, x in (("q", q), ("k", k), ("v", v)):  # check_qkv refused other layouts
+        if x.device.type == "meta":
+            raise TypeError(f"ring_attention takes tensors with data, got {name} on the meta device")
     scale = inputs.check_scale(scale, q.shape[-1])
     per_rank = chunks_per_rank(layout)
     spec = _parse_mask(mask)
@@ -767,4 +765,5 @@ def _default_device(ring: _Ring):
 def _apply(call: _Call, q, k, v):
     if call.needs_grad:
         return autograd_attention(_ring_forward, _ring_backward, q, k, v, call)
-    return _ring_forward(call, q.detach(), k.detach(), v.detach())[:2]
+    out, lse, _ = _ring_forward(call, q.detach(), k.detach(), v.detach())
+    return out.to(q.dtype), lse

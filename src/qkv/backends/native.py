@@ -9,6 +9,7 @@ modifiers the kernel applies inline (ALiBi, a bias, softcap).
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import sys
@@ -21,7 +22,7 @@ from .._threads import available_cpus
 from ..masks import PARTIAL, Alibi, Bias, IntervalMask, Softcap, tile_indices
 from . import base
 from .base import (Backend, Capabilities, autograd_attention, cdiv, inline_score_mod_reasons, key_intervals,
-                   row_tile_classes, softmax_delta, tile_workspace)
+                   row_tile_classes, saved_output_bytes, softmax_delta, tile_workspace)
 
 def _extension_file_exists() -> bool:
     try:
@@ -151,8 +152,8 @@ class NativeBackend(Backend):
 
     def forward(self, inp):
         if inp.needs_grad:
-            return autograd_attention(self.run_forward, self.run_backward, inp.q, inp.k, inp.v, inp,
-                                      inp.held_tensors())
+            return autograd_attention(functools.partial(self.run_forward, float32_out=True), self.run_backward,
+                                      inp.q, inp.k, inp.v, inp, inp.held_tensors())
         out, lse, _ = self.run_forward(inp, inp.q, inp.k, inp.v, with_lse=inp.needs_lse, with_lse_lo=False)
         return out, lse
 
@@ -191,7 +192,7 @@ class NativeBackend(Backend):
         threads = self.num_threads
         return tile_workspace(threads, *self.block_sizes(inp), inp.group, inp.D, inp.Dv, "float32") \
             + (8 if inp.needs_grad else 4) * inp.B * inp.Hq * inp.Lq + self._packed_bytes(inp) \
-            + self._mask_bytes(inp)  # lse, and lse_lo for the backward
+            + self._mask_bytes(inp) + saved_output_bytes(inp)  # lse, and lse_lo for the backward
 
     def automatic_refusal(self, inp):
         # A mask that is not key intervals reaches the kernel as a byte per score of its PARTIAL

@@ -7,11 +7,13 @@ probabilities as exp(score - lse) instead of storing Lq x Lk of anything.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ..masks import EMPTY, runs_user_rule
 from .base import (Backend, Capabilities, autograd_attention, cdiv, compute_dtype_name, dropout_bytes_per_score,
-                   nbytes, row_tile_classes, split_lse, tile_workspace)
+                   nbytes, row_tile_classes, saved_output_bytes, split_lse, tile_workspace)
 from .tiling import TileRule, partial_flags
 
 #: Score-tile elements (all rows together) the kernel aims for: big tiles mean fewer
@@ -230,7 +232,8 @@ class TorchBackend(Backend):
 
     def forward(self, inp):
         if inp.needs_grad:
-            return autograd_attention(forward_tiled, backward_tiled, inp.q, inp.k, inp.v, inp, inp.held_tensors())
+            return autograd_attention(functools.partial(forward_tiled, keep_sum_dtype=True), backward_tiled,
+                                      inp.q, inp.k, inp.v, inp, inp.held_tensors())
         return forward_tiled(inp, inp.q, inp.k, inp.v)[:2]
 
     def workspace_bytes(self, inp):
@@ -241,7 +244,8 @@ class TorchBackend(Backend):
         # in float32, 60 in float64; counted 49 and 65)
         dropout = rows * block_q * block_k * dropout_bytes_per_score(inp, int64_words=4, float_copies=4)
         mask = rows * block_q * block_k * self._mask_bytes_per_score(inp)
-        return tile_workspace(rows, block_q, block_k, inp.group, inp.D, inp.Dv, inp.dtype) + lse + dropout + mask
+        return tile_workspace(rows, block_q, block_k, inp.group, inp.D, inp.Dv, inp.dtype) + lse + dropout + mask \
+            + saved_output_bytes(inp)
 
     @staticmethod
     def _mask_bytes_per_score(inp) -> int:
