@@ -121,16 +121,22 @@ def test_explain_bounds_the_numpy_backends_extra_memory_with_every_kind_of_mask(
     _check_numpy_estimate(q, k, v, mask, dropout_p)
 
 
+@pytest.mark.parametrize("rule", [False, True], ids=["no mask", "mask_fn"])
 @pytest.mark.parametrize("hq,lq,lk", [(4, 33, 45), (8, 4096, 64), (8, 64, 4096)])
-def test_explain_bounds_the_numpy_backends_extra_memory_below_a_tile(hq, lq, lk):
+def test_explain_bounds_the_numpy_backends_extra_memory_below_a_tile(hq, lq, lk, rule):
     """Lengths below a tile's: the tiles are cut to them, and so is the estimate (it counted
-    whole 256 x 1024 tiles, 90x what a 33 x 45 call holds)."""
+    whole 256 x 1024 tiles, 90x what a 33 x 45 call holds). A user's rule is evaluated on
+    the real keys only when the tiles are classified (it was on whole 1024-key tiles)."""
     import numpy as np
+
+    import qkv
 
     rng = np.random.default_rng(0)
     q = rng.standard_normal((1, hq, lq, 64)).astype(np.float32)
     k, v = (rng.standard_normal((1, hq // 2, lk, 64)).astype(np.float32) for _ in range(2))
-    _check_numpy_estimate(q, k, v, None, 0.0)
+    mask = qkv.mask_fn(lambda b, h, i, j: (i - j) % 3 != 0) if rule else None
+    qkv.attention(q, k, v, mask, backend="numpy")  # warm up: first calls set up thread pools
+    _check_numpy_estimate(q, k, v, mask, 0.0)
 
 
 def _check_numpy_estimate(q, k, v, mask, dropout_p):

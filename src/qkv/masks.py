@@ -234,7 +234,6 @@ def _settle_by_evaluation(mask: Mask, classes, geom: Geometry, block_q: int, blo
     heads = 1 if mask.head_independent else geom.heads
     classes = np.broadcast_to(classes, (geom.batch, heads, nq, nk)).copy()
     probe = np.zeros(0)
-    valid_k = (np.arange(nk * block_k) < geom.Lk).reshape(1, 1, 1, nk, block_k)
     for t in range(nq):
         maybe = (classes[:, :, t, :] == _MAYBE).any(axis=(0, 1))  # (nk,)
         q0, q1 = t * block_q, min((t + 1) * block_q, geom.Lq)
@@ -244,14 +243,12 @@ def _settle_by_evaluation(mask: Mask, classes, geom: Geometry, block_q: int, blo
             j1 = min(j0 + step, nk)
             if not maybe[j0:j1].any():
                 continue
-            b, h, qi, ki = tile_indices(probe, np.arange(geom.batch), np.arange(heads), q0, q1,
-                                        j0 * block_k, j1 * block_k)
-            band = np.broadcast_to(mask.allowed(b, h, qi, np.minimum(ki, geom.Lk - 1), geom),
-                                   (geom.batch, heads, q1 - q0, (j1 - j0) * block_k))
-            band = band.reshape(geom.batch, heads, q1 - q0, j1 - j0, block_k)
-            valid = valid_k[..., j0:j1, :]
-            any_ = (band & valid).any(axis=(2, 4))
-            all_ = (band | ~valid).all(axis=(2, 4))
+            k0, k_end = j0 * block_k, min(j1 * block_k, geom.Lk)  # real keys only: the last tile may be short
+            b, h, qi, ki = tile_indices(probe, np.arange(geom.batch), np.arange(heads), q0, q1, k0, k_end)
+            band = np.broadcast_to(mask.allowed(b, h, qi, ki, geom), (geom.batch, heads, q1 - q0, k_end - k0))
+            starts = np.arange(j1 - j0) * block_k  # each tile's first key in the band
+            any_ = np.logical_or.reduceat(band.any(axis=2), starts, axis=-1)  # (B, heads, j1 - j0)
+            all_ = np.logical_and.reduceat(band.all(axis=2), starts, axis=-1)
             exact = np.where(all_, FULL, np.where(any_, PARTIAL, EMPTY)).astype(np.int8)
             tiles = classes[:, :, t, j0:j1]
             classes[:, :, t, j0:j1] = np.where(tiles == _MAYBE, exact, tiles)
