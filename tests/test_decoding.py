@@ -404,3 +404,28 @@ def test_torch_decoding_under_autocast_keeps_the_caches_dtype():
     assert cache.keys.dtype == torch.float32 and cache.length == 6
     torch.testing.assert_close(cache.keys[:, :, :6], k, rtol=0, atol=0)
     torch.testing.assert_close(torch.cat(outs, dim=1), want)  # bfloat16: one rounding apart at most
+
+
+@pytest.mark.parametrize("modes", ["gin", "ggin", "grn", "gnin"])
+def test_grad_no_grad_and_inference_mode_steps_mix(modes):
+    """Steps under autograd (g), no_grad (n) and inference_mode (i), and reset() under
+    inference_mode (r): every sequence runs, each step equals the causal pass over the tokens so
+    far (a new version of the cache made under inference_mode used to be an inference tensor,
+    which the next step outside it could not write)."""
+    torch = pytest.importorskip("torch")
+    mha, _, _ = make("torch", num_kv_heads=2)
+    x = torch.tensor(np.random.default_rng(6).standard_normal((2, len(modes), D_MODEL)))
+    modes_of = {"g": torch.enable_grad, "n": torch.no_grad, "i": torch.inference_mode}
+    cache, start = mha.init_cache(2, len(modes)), 0
+    for mode in modes:
+        if mode == "r":
+            with torch.inference_mode():
+                cache.reset()
+            start = 0
+            continue
+        with modes_of[mode]():
+            got = mha(x[:, start:start + 1], cache=cache)[0]
+        with torch.no_grad():
+            want = mha(x[:, :start + 1], mask=qkv.causal())[0][:, -1:]
+        torch.testing.assert_close(got.detach(), want, rtol=1e-12, atol=1e-12)
+        start += 1

@@ -344,6 +344,17 @@ BAD = [
                  r"\bmask must be a dense \(strided\) tensor, got layout torch\.sparse_coo", id="bias-sparse"),
     pytest.param(lambda: qkv.dense_mask(torch.ones(LQ, LK, dtype=torch.bool).to_sparse()), TypeError,
                  r"\bmask must be a dense \(strided\) tensor, got layout torch\.sparse_coo", id="dense-mask-sparse"),
+    pytest.param(lambda: qkv.scaled_dot_product_attention(TQ[:, 0], TK[:, 0], TK[:, 0],
+                                                          torch.ones(B, LQ, LK).to_sparse()), TypeError,
+                 r"\bmask must be a dense \(strided\) tensor, got layout torch\.sparse_coo", id="sdpa-mask-sparse"),
+    pytest.param(lambda: qkv.torch.MultiHeadAttention(8, 2)(torch.randn(1, 5, 8).to_mkldnn()), TypeError,
+                 r"\bquery must be a dense \(strided\) tensor, got layout torch\._mkldnn", id="module-query-mkldnn"),
+    pytest.param(lambda: qkv.attention(*[torch.nested.nested_tensor([torch.randn(2, 5, 8), torch.randn(2, 3, 8)],
+                                                                    layout=torch.jagged)] * 3), TypeError,
+                 esc("q must be a dense (strided) tensor, got layout torch.jagged; pad it (q.to_padded_tensor) "
+                     "and mask the padding"), id="q-jagged"),
+    pytest.param(lambda: qkv.MultiHeadAttention(8, 2)(arr(1, 5, 8, dtype=np.float64), mask=torch.zeros(5, 5)),
+                 TypeError, esc("mask must be of the same kind as q (numpy), got torch"), id="numpy-module-torch-bias"),
 ]
 
 

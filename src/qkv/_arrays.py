@@ -38,8 +38,8 @@ def autocast_cast(x, like):
     """x (a float torch tensor, or anything) in like's dtype where torch's autocast chose like's
     dtype on its device, as torch's own modules cast their float masks; else x as it is."""
     torch = sys.modules.get("torch")
-    if (torch is None or not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dtype == like.dtype
-            or not torch.is_autocast_enabled(like.device.type)):
+    if (torch is None or not isinstance(x, torch.Tensor) or not isinstance(like, torch.Tensor)
+            or not x.is_floating_point() or x.dtype == like.dtype or not torch.is_autocast_enabled(like.device.type)):
         return x
     return x.to(like.dtype)
 

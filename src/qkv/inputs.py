@@ -164,8 +164,11 @@ def check_score_result(name, result, scores):
 def check_strided(name, x):
     """A torch tensor of another layout (sparse, mkldnn) has no strides to read: named here, not
     deep inside a backend."""
-    if _arrays.is_torch(x) and x.layout is not sys.modules["torch"].strided:
-        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {x.layout}; pass {name}.to_dense()")
+    torch = sys.modules.get("torch")
+    if _arrays.is_torch(x) and x.layout is not torch.strided:
+        hint = f"pad it ({name}.to_padded_tensor) and mask the padding" if x.layout is torch.jagged else \
+            f"pass {name}.to_dense()"
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {x.layout}; {hint}")
 
 
 def check_dense_mask(name, array):
@@ -362,6 +365,7 @@ def check_seed_mask(mask, query, key):
     """The seed door's mask: any array broadcastable to (batch, seq_q, seq_k), 0 = masked."""
     if _arrays.kind_of(mask) is None:
         raise TypeError(f"mask must be a numpy.ndarray or torch.Tensor (0 = masked), got {type(mask).__name__}")
+    check_strided("mask", mask)
     target = tuple(query.shape[:-1]) + (key.shape[-2],)
     if not broadcasts_to(tuple(mask.shape), target):
         raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to (batch, seq_q, seq_k) = {target}")

@@ -16,6 +16,9 @@ and are causal among themselves. The same class serves NumPy and torch modules.
 """
 from __future__ import annotations
 
+import contextlib
+import sys
+
 import numpy as np
 
 from . import _arrays, inputs
@@ -78,8 +81,9 @@ class KVCache:
                              "create it with a larger max_len (module.init_cache(batch_size, max_len))")
         end = self.length + n
         if _new_version(k, v, self.keys):  # graphs of earlier steps keep theirs
-            self.keys = self.keys.slice_scatter(k, dim=2, start=self.length, end=end)
-            self.values = self.values.slice_scatter(v, dim=2, start=self.length, end=end)
+            with _normal_tensors(self.keys):
+                self.keys = self.keys.slice_scatter(k, dim=2, start=self.length, end=end)
+                self.values = self.values.slice_scatter(v, dim=2, start=self.length, end=end)
         else:
             self.keys[:, :, self.length:end] = k
             self.values[:, :, self.length:end] = v
@@ -98,7 +102,8 @@ class KVCache:
         not hang from the last one's (nor keep it alive)."""
         self.length = 0
         if _arrays.is_torch(self.keys) and self.keys.requires_grad:
-            self.keys, self.values = (_zeros(x.shape, x) for x in (self.keys, self.values))
+            with _normal_tensors(self.keys):
+                self.keys, self.values = (_zeros(x.shape, x) for x in (self.keys, self.values))
 
     def _check_new(self, k, v):
         keys = self.keys
@@ -135,6 +140,19 @@ def _new_version(k, v, keys) -> bool:
     if not _arrays.is_torch(keys):
         return False
     return keys.requires_grad or (_arrays.grad_enabled() and (k.requires_grad or v.requires_grad))
+
+
+def _normal_tensors(keys):
+    """A context in which new cache arrays are normal tensors: made under inference_mode they
+    would be inference tensors, which no later call outside it may write in place. Without
+    grad, as inference_mode has none (leaving it would turn grad back on)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not _arrays.is_torch(keys) or not torch.is_inference_mode_enabled():
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.inference_mode(False))
+    stack.enter_context(torch.no_grad())
+    return stack
 
 
 def _zeros(shape, like):

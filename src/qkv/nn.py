@@ -234,6 +234,7 @@ class AttentionCore:
                             f"for {kind} inputs use {other}")
         if kind == "numpy":
             inputs.check_plain_numpy(name, x)
+        inputs.check_strided(name, x)
         if x.ndim != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"{name} must have shape (batch, length, d_model={self.d_model}), "
                              f"got {tuple(x.shape)}")
