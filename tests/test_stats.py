@@ -270,6 +270,21 @@ def test_equal_weights_rank_the_lower_keys_first(kind, tiles):
     np.testing.assert_array_equal(np.asarray(got.topk_indices), want)
 
 
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_huge_scores_give_one_hot_rows_not_nan(kind):
+    """At scale 1e9 the scores computed here and the kernel's differ by more than exp takes:
+    the renormalisation shifts by each row's largest before it sums (unshifted, its sum
+    overflowed and rows with allowed keys came out with entropy NaN and max_weight 0)."""
+    if kind == "torch" and torch is None:
+        pytest.skip("needs torch")
+    rng = np.random.default_rng(3)
+    q, k = rng.standard_normal((2, 4, 64, 16)).astype(np.float32), rng.standard_normal((2, 4, 80, 16)).astype(np.float32)
+    w = qkv.attention_weights(q.astype(np.float64), k.astype(np.float64), scale=1e9)
+    args = (q, k) if kind == "numpy" else (torch.from_numpy(q), torch.from_numpy(k))
+    got = attention_stats(*args, scale=1e9, topk=1)
+    check_against_weights(got, w, topk=1, atol=1e-6)
+
+
 def test_statistics_do_not_depend_on_how_the_lse_was_rounded(monkeypatch):
     """An lse rounded otherwise than the scores computed here (a kernel's other summation
     order, float32 products on AMX) is renormalised away: moved by 1e-3, the statistics stay

@@ -238,15 +238,19 @@ class _Streamer:
         were, and a float32 lse is itself rounded by |lse|·6e-8, so at large scores they would
         not (entropy off by 2.6e-5 at scores of std 36, 7.3e-4 at std 900); less this, they do."""
         xp = self.xp
-        total = None
+        top, total = None, 0.0  # running maximum of s - lse (B, Hq, bq, 1), and the sum under it
         for _, _, _, s in self._key_tiles(t, q, qi):
-            s -= lse
-            tile = xp.exp(s).sum(-1)[..., None]  # (B, Hq, bq, 1)
-            total = tile if total is None else total + tile
-        if total is None:
+            s -= lse  # near 0 at the row's largest score, unless the scores differ by more than exp takes
+            tile_top = _amax(s, -1)[..., None]
+            new_top = tile_top if top is None else xp.maximum(top, tile_top)
+            shift = xp.where(xp.isfinite(new_top), new_top, 0.0)  # rows with nothing allowed yet
+            rescale = 0.0 if top is None else xp.exp(top - shift)
+            total = total * rescale + xp.exp(s - shift).sum(-1)[..., None]
+            top = new_top
+        if top is None:
             return 0.0
-        with np.errstate(divide="ignore"):
-            return xp.where(total > 0, xp.log(total), 0.0)  # rows with no key stay at weight 0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return xp.where(total > 0, xp.where(xp.isfinite(top), top, 0.0) + xp.log(total), 0.0)  # no key: 0
 
     def _query_tile(self, res, received, t: int, q0: int):
         """Every key tile against the query rows [q0, q0 + block_q)."""
