@@ -278,7 +278,7 @@ def test_huge_scores_give_one_hot_rows_not_nan(kind):
     if kind == "torch" and torch is None:
         pytest.skip("needs torch")
     rng = np.random.default_rng(3)
-    q, k = rng.standard_normal((2, 4, 64, 16)).astype(np.float32), rng.standard_normal((2, 4, 80, 16)).astype(np.float32)
+    q, k = (rng.standard_normal(shape).astype(np.float32) for shape in ((2, 4, 64, 16), (2, 4, 80, 16)))
     w = qkv.attention_weights(q.astype(np.float64), k.astype(np.float64), scale=1e9)
     args = (q, k) if kind == "numpy" else (torch.from_numpy(q), torch.from_numpy(k))
     got = attention_stats(*args, scale=1e9, topk=1)
