@@ -142,6 +142,30 @@ def check_gradients(backend: str, leaves, kwargs, rng):
     assert all(np.isfinite(to64(g)).all() for g in got)
 
 
+def check_bfloat16_short_row(backend: str, mask, device="cpu"):
+    """A bfloat16 row of one query over three keys, the middle one masked by `mask`, with the
+    dout and dlse that made rowsum(dO ∘ O) from the rounded output break the rule for dq."""
+    bf = lambda x: torch.tensor(x, dtype=torch.float64).to(torch.bfloat16).to(device).requires_grad_(True)  # noqa: E731
+    q = bf([[[[0.302734375, -1.765625, 0.69921875]]]])
+    k = bf([[[[-2.484375, -1.1640625, -0.1669921875], [-1.265625, -1.8125, -0.4453125],
+               [-1.03125, 0.16015625, -1.078125]]]])
+    v = bf([[[[0.3046875, 0.326171875, 2.984375, 0.33984375, 0.8515625, -1.2578125, 0.0308837890625, -0.96484375],
+              [0.353515625, 0.369140625, 0.392578125, 1.140625, 0.201171875, -1.78125, 0.7578125, 0.443359375],
+              [1.4296875, -1.5625, -0.047119140625, -0.443359375, -0.10498046875, -2.1875, 0.81640625,
+               -1.4140625]]]])
+    dout = torch.tensor([[[[0.578125, -0.05322265625, -2.59375, -0.73046875, -0.357421875, -1.015625, 2.6875,
+                            1.2734375]]]], dtype=torch.bfloat16, device=device)
+    dlse = torch.tensor([[[1.7956253290176392]]], device=device)
+    out, lse = qkv.attention(q, k, v, mask, backend=backend, return_lse=True)
+    torch.autograd.backward([out, lse], [dout, dlse])
+    args, kwargs = [to64(x.detach()) for x in (q, k, v)], _as64(dict(mask=mask))
+    oracle = reference_grads(args, to64(dout), to64(dlse), kwargs)[0]
+    in_float32 = reference_grads(args, to64(dout), to64(dlse), kwargs, dtype="float32")[0]
+    ref_err = np.abs(to64(torch.tensor(in_float32).bfloat16()) - oracle).max()
+    err, bound = max_err(q.grad, oracle), 2 * ref_err + ATOL["bfloat16"] * max(1.0, np.abs(oracle).max())
+    assert err <= bound, f"dq: {err:.4f} > {bound:.4f}"
+
+
 def use_small_tiles(patch, block_q: int, block_k: int):
     """The numpy and torch backends on tiles of at most block_q x block_k, so that small
     problems take many tiles each way (patch: a pytest MonkeyPatch)."""

@@ -21,10 +21,12 @@ POINTERS = {"LSE": "*fp32", "LSE_LO": "*fp32", "DELTA": "*fp32", "SLOPES": "*fp3
 TENSORS = ("Q", "K", "V", "O", "DO", "GRAD_Q", "GRAD_K", "GRAD_V")
 
 
-def signature(fn, dtype: str, constants: dict) -> dict:
+def signature(fn, dtype: str, constants: dict, out_dtype: str) -> dict:
     def kind(name):
         if name in constants:
             return "constexpr"
+        if name == "O":
+            return "*" + out_dtype
         if name in TENSORS:
             return "*" + dtype
         return POINTERS.get(name, "fp32" if name in ("sm_scale", "softcap") else "i32")
@@ -38,8 +40,8 @@ ONES = dict(Lq=1, Lk=1, Hq=1)
 
 
 def compile_kernel(fn, blocks, arch: int, dtype="bf16", head_dim=128, variant="plain") -> int:
-    """variant: "plain", "masks+mods" (every feature, bounds loaded), "causal" (bounds computed)
-    or "ones" (plain, with the ints Triton makes constants when they are 1)."""
+    """variant: "plain", "masks+mods" (every feature, bounds loaded, a float32 output), "causal"
+    (bounds computed) or "ones" (plain, with the ints Triton makes constants when they are 1)."""
     every = variant == "masks+mods"
     flags = dict(HAS_INTERVAL=every or variant == "causal", HAS_CAUSAL=variant == "causal", HAS_IDS=every,
                  HAS_ALIBI=every, HAS_SOFTCAP=every)
@@ -47,7 +49,8 @@ def compile_kernel(fn, blocks, arch: int, dtype="bf16", head_dim=128, variant="p
                      BLOCK_DV=head_dim, DOT="ieee" if dtype == "fp32" else "native", **flags)
     if variant == "ones":
         constants.update({k: v for k, v in ONES.items() if k in fn.arg_names})
-    source = ASTSource(fn=fn, signature=signature(fn, dtype, constants), constexprs=constants)
+    out_dtype = "fp32" if every else dtype  # a forward under autograd writes its output in float32
+    source = ASTSource(fn=fn, signature=signature(fn, dtype, constants, out_dtype), constexprs=constants)
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
                               options=dict(num_warps=blocks.warps, num_stages=blocks.stages))
     return compiled.metadata.shared

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..masks import And, Alibi, Causal, Document, IntervalMask, Softcap
 from .base import (Backend, Capabilities, autograd_attention, cdiv, clip_intervals, inline_score_mod_reasons,
-                   key_intervals, softmax_delta)
+                   key_intervals, saved_output_bytes, softmax_delta)
 
 
 def interpreting() -> bool:
@@ -71,11 +71,13 @@ class TritonBackend(Backend):
     def forward(self, inp):
         call = _Call(inp, _plan_masks(inp))
         if inp.needs_grad:
-            return autograd_attention(_forward, _backward, inp.q, inp.k, inp.v, call)
+            return autograd_attention(functools.partial(_forward, float32_out=True), _backward,
+                                      inp.q, inp.k, inp.v, call)  # the backward reads the output as summed
         return _forward(call, inp.q, inp.k, inp.v)[:2]
 
     def workspace_bytes(self, inp):
-        return 8 * inp.B * inp.Hq * inp.Lq  # lse and lse_lo; tiles live in registers and shared memory
+        # lse and lse_lo, and the output as summed for the backward; tiles live in registers and shared memory
+        return 8 * inp.B * inp.Hq * inp.Lq + saved_output_bytes(inp)
 
 
 # Heads and batch rows are the launch grids' 2nd and 3rd dims, which CUDA caps at 65535.
@@ -338,15 +340,16 @@ def _cache_key(inp, args):
     return (inp.D, inp.Dv, inp.dtype, tuple(args.flags.values()))
 
 
-def _forward(call: _Call, q, k, v):
-    """(out (B, Hq, Lq, Dv) in q's dtype, lse and lse_lo (B, Hq, Lq) float32)."""
+def _forward(call: _Call, q, k, v, float32_out=False):
+    """(out (B, Hq, Lq, Dv) in q's dtype, or float32 with float32_out, lse and lse_lo (B, Hq, Lq)
+    float32)."""
     import torch
 
     from . import _triton_kernels as kernels
 
     inp = call.inp
     args = call.device_args(q)
-    out = torch.empty(inp.B, inp.Hq, inp.Lq, inp.Dv, dtype=q.dtype, device=q.device)
+    out = torch.empty(inp.B, inp.Hq, inp.Lq, inp.Dv, dtype=torch.float32 if float32_out else q.dtype, device=q.device)
     lse, lse_lo = (torch.empty(inp.B, inp.Hq, inp.Lq, dtype=torch.float32, device=q.device) for _ in range(2))
 
     def run(blocks):
@@ -357,7 +360,7 @@ def _forward(call: _Call, q, k, v):
             BLOCK_M=blocks.m, BLOCK_N=blocks.n, num_warps=blocks.warps, num_stages=blocks.stages)
 
     with _on_device(q):
-        _launch("forward", _cache_key(inp, args), max(inp.D, inp.Dv), inp.dtype, run)
+        _launch("forward", _cache_key(inp, args) + (out.dtype,), max(inp.D, inp.Dv), inp.dtype, run)
     return out, lse, lse_lo
 
 
