@@ -457,7 +457,8 @@ def run(args) -> int:
     info = machine()
     if args.device == "cuda":
         console.print(f"GPU: {info['gpu']} (CUDA {info['cuda']}), triton {info['triton']}; host {info['cpu']}")
-    native_runs = f" on {info['native_threads']} {info['native_threading']} threads" if info["native_threads"] else ""
+    threads = info["native_threads"]
+    native_runs = f" on {threads} thread{'s' * (threads != 1)} ({info['native_threading']})" if threads else ""
     console.print(f"{info['cpu']} ({info['machine']}), {info['cpus']} CPUs, native kernel: {info['native_isa']}"
                   f"{native_runs}, torch on {info['torch_threads']} threads; "
                   f"qkv {info['qkv']}, torch {info['torch']}, numpy {info['numpy']}, python {info['python']}")
