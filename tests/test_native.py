@@ -568,3 +568,18 @@ def test_many_equal_weights_sum_within_the_rule():
     arrays = [torch.randn(2, 2, 129, 8), torch.randn(2, 2, 129, 8), torch.randn(2, 2, 129, 16)]
     mods = [qkv.alibi(torch.rand(2).numpy()), qkv.softcap(2.0)]
     check_backend("native", arrays, [to64(a) for a in arrays], "float32", score_mod=mods)
+
+
+def test_explain_counts_the_threads_a_data_loader_worker_runs(monkeypatch):
+    """In a DataLoader worker the kernel keeps to torch's one thread, and explain's estimate
+    holds one thread's tiles, not num_threads'."""
+    torch = pytest.importorskip("torch")
+    from qkv.backends import native as native_module
+
+    monkeypatch.setattr(dispatch.REGISTRY["native"], "num_threads", 4)
+    q = torch.randn(1, 8, 512, 64)
+    everywhere = qkv.explain(q, q, q, backend="native").workspace_bytes
+    monkeypatch.setattr(native_module, "in_data_loader_worker", lambda: True)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert dispatch.REGISTRY["native"].call_threads() == 1
+    assert qkv.explain(q, q, q, backend="native").workspace_bytes < everywhere

@@ -189,7 +189,7 @@ class NativeBackend(Backend):
         return dq, dk, dv
 
     def workspace_bytes(self, inp):
-        threads = self.num_threads
+        threads = self.call_threads()  # the tiles held at once: one per thread of the call
         return tile_workspace(threads, *self.block_sizes(inp), inp.group, inp.D, inp.Dv, "float32") \
             + (8 if inp.needs_grad else 4) * inp.B * inp.Hq * inp.Lq + self._packed_bytes(inp) \
             + self._mask_bytes(inp) + saved_output_bytes(inp)  # lse, and lse_lo for the backward
