@@ -37,8 +37,9 @@ def attention(q, k, v, mask=None, *, score_mod=None, scale=None, dropout_p=0.0, 
             seed=None draws one from torch's (or NumPy's) global generator.
         return_lse: also return the log-sum-exp of each row, (..., Hq, Lq), float32
             (float64 for float64 inputs); -inf for a row with no allowed key.
-        backend: None chooses automatically; a name runs that backend or raises
-            qkv.BackendError with its reasons.
+        backend: None chooses automatically; a backend's name ('native', 'triton', 'torch',
+            'numpy', 'reference') runs that backend, or raises qkv.BackendError with its
+            reasons when it cannot run these inputs; any other name raises ValueError.
 
     Returns:
         out (..., Hq, Lq, Dv) in q's dtype, or (out, lse) with return_lse=True.
