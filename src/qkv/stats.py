@@ -19,7 +19,8 @@ masks, score modifiers and grouped-query heads), up to rounding. The weights are
 from each row's lse, as the backward of FlashAttention does; in float32 one more pass first
 renormalises them against the scores computed here (whose rounding differs from the kernel's,
 and a float32 lse is itself rounded by |lse|·6e-8), so they sum to 1 and the statistics keep
-the plain formula's precision at large scores too. Inputs in float64 are worked in float64,
+the plain formula's precision at large scores too (that pass took NumPy inputs of 8 heads x
+2048 from 0.48-0.54 s to 0.66-0.87 s on 2 CPUs, paired runs). Inputs in float64 are worked in float64,
 the other dtypes in float32; NumPy in, NumPy out; torch in, torch out (same device, no gradient).
 """
 from __future__ import annotations
