@@ -380,8 +380,9 @@ def _smallest_positions(keys, n: int):
     else:
         where = np.sort(np.argpartition(keys, n - 1, axis=-1)[..., :n], axis=-1)
         where = _take(where, np.argsort(_take(keys, where), axis=-1, kind="stable"))
-    nth = _take(keys, where[..., -1:])
-    ties_left_out = (keys == nth).sum(-1) > (_take(keys, where) == nth).sum(-1)
+    picked = _take(keys, where)  # (..., n) in order
+    nth = picked[..., -1:]
+    ties_left_out = (keys == nth).sum(-1) > (picked == nth).sum(-1)
     if ties_left_out.any():
         rows = keys[ties_left_out]
         ordered = rows.sort(dim=-1, stable=True).indices if _arrays.is_torch(rows) else \

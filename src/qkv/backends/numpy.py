@@ -90,4 +90,4 @@ class NumpyBackend(Backend):
         if inp.mask is None:
             return 0
         user_rule = 2 * 8 if runs_user_rule(inp.mask) else 0
-        return inp.group * 1 + max(user_rule, inp.group * nbytes(compute_dtype_name(inp.dtype)))
+        return inp.group + max(user_rule, inp.group * nbytes(compute_dtype_name(inp.dtype)))  # bools + the larger
