@@ -4,8 +4,8 @@
 // variants never share a symbol: an older CPU never runs code built for a newer one.
 //
 // Forward, per work item (row r, query tile t, key split s):
-//   Q tile (n = G*bq rows, scale folded in) against each non-EMPTY key tile:
-//   S = Q·Kᵀ -> modifiers -> mask (PARTIAL tiles only) -> online softmax (m, l) -> acc += P·V.
+//   Q tile (n = G*bq rows) against each non-EMPTY key tile:
+//   S = scale·(Q·Kᵀ) -> modifiers -> mask (PARTIAL tiles only) -> online softmax (m, l) -> acc += P·V.
 // Backward recomputes P = exp(S - lse - lse_lo) tile by tile: one pass per query tile for dQ and
 // one per key tile for dK and dV, so no two threads ever add into the same memory.
 #pragma once
@@ -105,23 +105,22 @@ inline float element(const Strided4& t, qkv::DType dt, int64_t off) {
                         : bf16_to_f32(static_cast<const uint16_t*>(t.data)[off]);
 }
 
-// dst[0:n] = scale * t[b, h, l, 0:n]; dst[n:padded] = 0
-inline void load_vector(const Strided4& t, qkv::DType dt, int b, int h, int l, int n, int padded, float scale,
-                        float* dst) {
+// dst[0:n] = t[b, h, l, 0:n]; dst[n:padded] = 0
+inline void load_vector(const Strided4& t, qkv::DType dt, int b, int h, int l, int n, int padded, float* dst) {
   int64_t base = b * t.s0 + h * t.s1 + l * t.s2;
   if (dt == qkv::F32 && t.s3 == 1) {
     const float* src = static_cast<const float*>(t.data) + base;
-    for (int d = 0; d < n; ++d) dst[d] = src[d] * scale;
+    for (int d = 0; d < n; ++d) dst[d] = src[d];
   } else {
-    for (int d = 0; d < n; ++d) dst[d] = element(t, dt, base + d * t.s3) * scale;
+    for (int d = 0; d < n; ++d) dst[d] = element(t, dt, base + d * t.s3);
   }
   for (int d = n; d < padded; ++d) dst[d] = 0.f;
 }
 
 // Rows [l0, l0 + count) of t[b, h] as a row-major (rows x ld) block, zero beyond `count` rows up to `rows`.
 inline void load_rows(const Strided4& t, qkv::DType dt, int b, int h, int l0, int count, int rows, int n, int ld,
-                      float scale, float* dst) {
-  for (int i = 0; i < count; ++i) load_vector(t, dt, b, h, l0 + i, n, ld, scale, dst + int64_t(i) * ld);
+                      float* dst) {
+  for (int i = 0; i < count; ++i) load_vector(t, dt, b, h, l0 + i, n, ld, dst + int64_t(i) * ld);
   fill(dst + int64_t(count) * ld, int64_t(rows - count) * ld, 0.f);
 }
 
@@ -146,10 +145,13 @@ struct Operand {
 
 // add is a template parameter so the accumulators start in registers with no branch, and
 // A's pointer and strides travel in registers (an Operand by value would go through memory).
+// Without ADD, C = scale·(A·B): the sums are scaled after they are summed, as the plain
+// formula's scores are (a scale folded into A first rounds each of A's elements once more,
+// which at large scores put the float32 gradients past the tolerance rule).
 // With MAX, colmax (NV vectors) also takes the maxima of C's columns over these MR rows.
 template <int MR, int NV, bool ADD, bool MAX = false>
 inline void micro(int K, const float* A, int64_t ars, int64_t acs, const float* B, int ldb, float* C, int ldc,
-                  float* colmax = nullptr) {
+                  float scale, float* colmax) {
   Vec c[MR][NV];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
@@ -166,6 +168,13 @@ inline void micro(int K, const float* A, int64_t ars, int64_t acs, const float* 
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) c[r][v] = Vec::fma(x, b[v], c[r][v]);
     }
+  }
+  if constexpr (!ADD) {
+    const Vec s = Vec::set1(scale);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) c[r][v] = c[r][v] * s;
   }
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
@@ -193,53 +202,59 @@ constexpr int block_rows() {
 }
 
 template <int NV, bool ADD, bool MAX>
-inline void gemm_columns(int M, int K, Operand A, const float* B, int ldb, float* C, int ldc, float* colmax) {
+inline void gemm_columns(int M, int K, Operand A, const float* B, int ldb, float* C, int ldc, float scale,
+                         float* colmax) {
   constexpr int MR = block_rows<NV>();
   int i = 0;
   for (; i + MR <= M; i += MR)
-    micro<MR, NV, ADD, MAX>(K, A.p + i * A.rs, A.rs, A.cs, B, ldb, C + int64_t(i) * ldc, ldc, colmax);
+    micro<MR, NV, ADD, MAX>(K, A.p + i * A.rs, A.rs, A.cs, B, ldb, C + int64_t(i) * ldc, ldc, scale, colmax);
   const float* a = A.p + i * A.rs;
   float* c = C + int64_t(i) * ldc;
   switch (M - i) {  // the last rows in one block too, so B is loaded once per k for them
-    case 7: micro<7, NV, ADD, MAX>(K, a, A.rs, A.cs, B, ldb, c, ldc, colmax); break;
-    case 6: micro<6, NV, ADD, MAX>(K, a, A.rs, A.cs, B, ldb, c, ldc, colmax); break;
-    case 5: micro<5, NV, ADD, MAX>(K, a, A.rs, A.cs, B, ldb, c, ldc, colmax); break;
-    case 4: micro<4, NV, ADD, MAX>(K, a, A.rs, A.cs, B, ldb, c, ldc, colmax); break;
-    case 3: micro<3, NV, ADD, MAX>(K, a, A.rs, A.cs, B, ldb, c, ldc, colmax); break;
-    case 2: micro<2, NV, ADD, MAX>(K, a, A.rs, A.cs, B, ldb, c, ldc, colmax); break;
-    case 1: micro<1, NV, ADD, MAX>(K, a, A.rs, A.cs, B, ldb, c, ldc, colmax); break;
+    case 7: micro<7, NV, ADD, MAX>(K, a, A.rs, A.cs, B, ldb, c, ldc, scale, colmax); break;
+    case 6: micro<6, NV, ADD, MAX>(K, a, A.rs, A.cs, B, ldb, c, ldc, scale, colmax); break;
+    case 5: micro<5, NV, ADD, MAX>(K, a, A.rs, A.cs, B, ldb, c, ldc, scale, colmax); break;
+    case 4: micro<4, NV, ADD, MAX>(K, a, A.rs, A.cs, B, ldb, c, ldc, scale, colmax); break;
+    case 3: micro<3, NV, ADD, MAX>(K, a, A.rs, A.cs, B, ldb, c, ldc, scale, colmax); break;
+    case 2: micro<2, NV, ADD, MAX>(K, a, A.rs, A.cs, B, ldb, c, ldc, scale, colmax); break;
+    case 1: micro<1, NV, ADD, MAX>(K, a, A.rs, A.cs, B, ldb, c, ldc, scale, colmax); break;
     default: break;
   }
 }
 
 template <bool ADD, bool MAX = false>
-inline void gemm_into(int M, int N, int K, Operand A, const float* B, int ldb, float* C, int ldc,
+inline void gemm_into(int M, int N, int K, Operand A, const float* B, int ldb, float* C, int ldc, float scale,
                       float* colmax = nullptr) {
   for (int j = 0; j < N;) {
     int vectors = (N - j) / W;
     int nv = vectors >= MAX_NV ? MAX_NV : vectors;
     float* mx = MAX ? colmax + j : nullptr;
     switch (nv) {
-      case 4: gemm_columns<4, ADD, MAX>(M, K, A, B + j, ldb, C + j, ldc, mx); break;
-      case 3: gemm_columns<3, ADD, MAX>(M, K, A, B + j, ldb, C + j, ldc, mx); break;
-      case 2: gemm_columns<2, ADD, MAX>(M, K, A, B + j, ldb, C + j, ldc, mx); break;
-      default: gemm_columns<1, ADD, MAX>(M, K, A, B + j, ldb, C + j, ldc, mx); break;
+      case 4: gemm_columns<4, ADD, MAX>(M, K, A, B + j, ldb, C + j, ldc, scale, mx); break;
+      case 3: gemm_columns<3, ADD, MAX>(M, K, A, B + j, ldb, C + j, ldc, scale, mx); break;
+      case 2: gemm_columns<2, ADD, MAX>(M, K, A, B + j, ldb, C + j, ldc, scale, mx); break;
+      default: gemm_columns<1, ADD, MAX>(M, K, A, B + j, ldb, C + j, ldc, scale, mx); break;
     }
     j += nv * W;
   }
 }
 
 inline void gemm(int M, int N, int K, Operand A, const float* B, int ldb, float* C, int ldc, bool add) {
-  if (add) gemm_into<true>(M, N, K, A, B, ldb, C, ldc);
-  else gemm_into<false>(M, N, K, A, B, ldb, C, ldc);
+  if (add) gemm_into<true>(M, N, K, A, B, ldb, C, ldc, 1.f);
+  else gemm_into<false>(M, N, K, A, B, ldb, C, ldc, 1.f);
 }
 
-// C = A·B as gemm does, and colmax (N) = the maxima of C's columns: the softmax then needs
-// no pass of its own over the scores for them.
-inline void gemm_column_max(int M, int N, int K, Operand A, const float* B, int ldb, float* C, int ldc,
+// C = scale·(A·B), the scale applied to the finished sums (scores).
+inline void gemm_scaled(int M, int N, int K, Operand A, const float* B, int ldb, float* C, int ldc, float scale) {
+  gemm_into<false>(M, N, K, A, B, ldb, C, ldc, scale);
+}
+
+// C = scale·(A·B) as gemm_scaled does, and colmax (N) = the maxima of C's columns: the softmax
+// then needs no pass of its own over the scores for them.
+inline void gemm_column_max(int M, int N, int K, Operand A, const float* B, int ldb, float* C, int ldc, float scale,
                             float* colmax) {
   fill(colmax, N, NEG_INF);
-  gemm_into<false, true>(M, N, K, A, B, ldb, C, ldc, colmax);
+  gemm_into<false, true>(M, N, K, A, B, ldb, C, ldc, scale, colmax);
 }
 
 inline Operand rows_of(const float* p, int ld) { return {p, ld, 1}; }
@@ -370,7 +385,7 @@ inline bool rows_in_place(const Strided4& t, qkv::DType dt) { return dt == qkv::
 inline Operand key_rows(const Strided4& t, qkv::DType dt, int b, int h, int k0, int cols, int n, float* scratch) {
   if (rows_in_place(t, dt))
     return {static_cast<const float*>(t.data) + b * t.s0 + h * t.s1 + int64_t(k0) * t.s2, t.s2, 1};
-  load_rows(t, dt, b, h, k0, cols, cols, n, n, 1.f, scratch);
+  load_rows(t, dt, b, h, k0, cols, cols, n, n, scratch);
   return {scratch, n, 1};
 }
 
@@ -541,14 +556,14 @@ inline Tile make_tile(const Problem& p, int r, int t, int j) {
   return tl;
 }
 
-// Qᵀ of a query tile, scale folded in: (D x np), zero beyond the tile's n queries.
+// Qᵀ of a query tile: (D x np), zero beyond the tile's n queries.
 inline void load_queries_transposed(const Problem& p, const Tile& tl, int G, int np, float* QT) {
   fill(QT, int64_t(p.D) * np, 0.f);
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < tl.rows; ++i) {
       const int64_t base = tl.b * p.q.s0 + int64_t(tl.kv * G + g) * p.q.s1 + int64_t(tl.q0 + i) * p.q.s2;
       const int rr = g * tl.rows + i;
-      for (int d = 0; d < p.D; ++d) QT[int64_t(d) * np + rr] = element(p.q, p.dtype, base + d * p.q.s3) * p.scale;
+      for (int d = 0; d < p.D; ++d) QT[int64_t(d) * np + rr] = element(p.q, p.dtype, base + d * p.q.s3);
     }
 }
 
@@ -671,21 +686,21 @@ inline void split_row(const float* src, int n, int parts, uint16_t* parts_out) {
 
 inline uint16_t bits(const Strided4& t, int64_t off) { return static_cast<const uint16_t*>(t.data)[off]; }
 
-// Row l of t[b, h] (scaled) in bfloat16 parts: parts x n words in `row`, float scratch `tmp` (n).
-// A bfloat16 row, unscaled, is its own one part: its bits are copied.
-inline void split_input_row(const Strided4& t, qkv::DType dt, int b, int h, int l, int n, float scale, int parts,
-                            float* tmp, uint16_t* row) {
-  if (dt == qkv::BF16 && parts == 1 && scale == 1.f) {
+// Row l of t[b, h] in bfloat16 parts: parts x n words in `row`, float scratch `tmp` (n).
+// A bfloat16 row is its own one part: its bits are copied.
+inline void split_input_row(const Strided4& t, qkv::DType dt, int b, int h, int l, int n, int parts, float* tmp,
+                            uint16_t* row) {
+  if (dt == qkv::BF16 && parts == 1) {
     const int64_t base = b * t.s0 + h * t.s1 + l * t.s2;
     for (int d = 0; d < n; ++d) row[d] = bits(t, base + d * t.s3);
     return;
   }
-  load_vector(t, dt, b, h, l, n, n, scale, tmp);
+  load_vector(t, dt, b, h, l, n, n, tmp);
   split_row(tmp, n, parts, row);
 }
 
-// Qᵀ of a query tile in VNNI pairs, (Dpad/2) x np x 2 bf16 per part, zero padded; float32
-// queries are scaled first, bfloat16 ones later (their scores are).
+// Qᵀ of a query tile in VNNI pairs, (Dpad/2) x np x 2 bf16 per part, zero padded (unscaled:
+// the scores are scaled).
 inline void pack_queries(const Problem& p, const Tile& tl, int G, int Dpad, int np, int parts, uint16_t* QB) {
   const int64_t plane = int64_t(Dpad) * np;
   Buffer tmp(p.D), row_(int64_t(parts) * round_up(p.D, 2) / 2);
@@ -693,8 +708,7 @@ inline void pack_queries(const Problem& p, const Tile& tl, int G, int Dpad, int 
   memset(QB, 0, size_t(plane) * parts * 2);
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < tl.rows; ++i) {
-      split_input_row(p.q, p.dtype, tl.b, tl.kv * G + g, tl.q0 + i, p.D, parts > 1 ? p.scale : 1.f, parts, tmp.p,
-                      row);
+      split_input_row(p.q, p.dtype, tl.b, tl.kv * G + g, tl.q0 + i, p.D, parts, tmp.p, row);
       uint16_t* column = QB + (g * tl.rows + i) * 2;  // this query's pairs lie np * 2 apart
       for (int part = 0; part < parts; ++part)
         for (int d = 0; d < p.D; ++d) column[part * plane + int64_t(d / 2) * np * 2 + d % 2] = row[part * p.D + d];
@@ -739,7 +753,7 @@ void pack_tile_item(void* ctx, int64_t rj) {  // one (row, key tile)
   for (int c0 = 0; c0 < keys; c0 += BLOCK) {  // each key's row is read once, in order
     const int count = imin(BLOCK, keys - c0);
     for (int c = 0; c < count; ++c)
-      split_input_row(t, p.dtype, r / p.Hkv, r % p.Hkv, k0 + c0 + c, n, 1.f, pt.parts, tmp.p, rows + c * row_words);
+      split_input_row(t, p.dtype, r / p.Hkv, r % p.Hkv, k0 + c0 + c, n, pt.parts, tmp.p, rows + c * row_words);
     for (int part = 0; part < pt.parts; ++part) {
       uint16_t* to = out + part * plane;
       if (pt.transpose)  // Vᵀ: row d gets the block's keys side by side
@@ -868,7 +882,7 @@ inline void from_pair_order(float* row, int n) {
   }
 }
 
-// S[rr][c .. c + KEYS] = Q[rr]·K[k0 + c ..] for the N query rows (Q: N x D, scaled, in the
+// S[rr][c .. c + KEYS] = scale·(Q[rr]·K[k0 + c ..]) for the N query rows (Q: N x D, in the
 // rows' order) and KEYS keys from key c of the tile. N and KEYS are template parameters so the
 // accumulators stay in registers; four keys' sums share one reduction.
 template <int N, int KEYS, class T>
@@ -910,6 +924,7 @@ inline void scores_of_keys(const Problem& p, const Tile& tj, int c, const float*
     float* s = S + rr * ld + c;
     if constexpr (KEYS == 4) Vec::sum4(acc[0][rr], acc[1][rr], acc[2][rr], acc[3][rr], s);
     else for (int u = 0; u < KEYS; ++u) s[u] = acc[u][rr].reduce_add();
+    for (int u = 0; u < KEYS; ++u) s[u] *= p.scale;  // after the sum, as gemm_scaled does
   }
 }
 
@@ -1068,7 +1083,7 @@ void few_queries_tiles_of(const ForwardPlan& plan, const Tile& tl, int split, Ac
   const int n = tl.n(), ld = round_up(p.block_k, W);
   Buffer Q(int64_t(n) * p.D), S(int64_t(n) * ld);  // acc.O: n <= np zeroed rows of Dv (out_row = Dv)
   for (int g = 0; g < plan.G; ++g)
-    load_rows(p.q, p.dtype, tl.b, tl.kv * plan.G + g, tl.q0, tl.rows, tl.rows, p.D, p.D, p.scale,
+    load_rows(p.q, p.dtype, tl.b, tl.kv * plan.G + g, tl.q0, tl.rows, tl.rows, p.D, p.D,
               Q.p + int64_t(g) * tl.rows * p.D);
   constexpr bool paired = sizeof(T) == 2;  // bfloat16 rows: Q and O in pair order
   for (int rr = 0; paired && rr < n; ++rr) to_pair_order(Q.p + int64_t(rr) * p.D, p.D);
@@ -1101,10 +1116,10 @@ void float_tiles(const ForwardPlan& plan, const Tile& tl, int split, Accumulator
     Ahead ahead = next_keys(plan, tj, split);
     if (rows_in_place(p.v, p.dtype)) ahead.values = rows_span(p.v, p.dtype, tl.b, tl.kv, tj.k0, tj.cols, p.Dv);
     if (rule_keeps_scores(tj)) {  // the scores' maxima as they are computed
-      gemm_column_max(tj.cols, np, p.D, K, QT.p, np, ST.p, np, colmax.p);  // Sᵀ = K·Qᵀ (keys x queries)
+      gemm_column_max(tj.cols, np, p.D, K, QT.p, np, ST.p, np, p.scale, colmax.p);  // Sᵀ = scale·K·Qᵀ (keys x queries)
       online_softmax_columns(tj.cols, np, p.Dv, ST.p, colmax.p, acc.m, acc.l, acc.O, ahead);
     } else {
-      gemm(tj.cols, np, p.D, K, QT.p, np, ST.p, np, false);
+      gemm_scaled(tj.cols, np, p.D, K, QT.p, np, ST.p, np, p.scale);
       apply_rule(tj, ST.p, 1, np);
       online_softmax_columns(tj.cols, np, p.Dv, ST.p, nullptr, acc.m, acc.l, acc.O, ahead);
     }
@@ -1122,11 +1137,11 @@ void amx_tiles(const ForwardPlan& plan, const Tile& tl, int split, Accumulator& 
       alphas(parts > 1 ? np : 0);
   uint16_t* QB = reinterpret_cast<uint16_t*>(QB_.p);
   uint16_t* PB = reinterpret_cast<uint16_t*>(PB_.p);
-  // bfloat16 scores are scaled here, float32 ones come scaled (through the queries)
-  const bool modified = any_modifier(p), scale_here = parts == 1;
-  // The softmax's fused scale takes max(s)·scale for max(s·scale) and keeps -inf at -inf: true
-  // only for a positive scale. Modifiers see scaled scores too. Else the tile is scaled first.
-  const bool scale_first = scale_here && (modified || !(p.scale > 0.f));
+  // Scores are scaled after their products. The bfloat16 softmax's fused scale takes
+  // max(s)·scale for max(s·scale) and keeps -inf at -inf: true only for a positive scale.
+  // Modifiers see scaled scores too, and the float32 softmax takes them scaled. Else (and
+  // there) the tile is scaled first.
+  const bool scale_first = parts > 1 || any_modifier(p) || !(p.scale > 0.f);
   amx_configure(), pack_queries(p, tl, plan.G, Dpad, np, parts, QB);
   for_each_key_tile(plan, tl, split, acc, [&](const Tile& tj) {
     const int keys_pad = round_up(tj.cols, 32);
@@ -1270,7 +1285,7 @@ namespace {
 struct BackwardPlan {
   const Backward& bw;
   int G, nq, nk, Dp, Dvp, bkp, n_max;
-  // per (row, query tile): Q·scale (n_max x Dp), dO (n_max x Dvp), lse, lse_lo and delta (n_max)
+  // per (row, query tile): Q (n_max x Dp), dO (n_max x Dvp), lse, lse_lo and delta (n_max)
   float *Q, *dO, *lse, *lse_lo, *delta;
   // per (row, key tile): Kᵀ (Dp x bkp), Vᵀ (Dvp x bkp), K (bkp x Dp)
   float *Kt, *Vt, *K;
@@ -1302,9 +1317,8 @@ void pack_query_item(void* ctx, int64_t rt) {
   float* delta = const_cast<float*>(qt.delta);
   for (int g = 0; g < plan.G; ++g) {
     const int h = tl.kv * plan.G + g;
-    load_rows(p.q, p.dtype, tl.b, h, tl.q0, tl.rows, tl.rows, p.D, plan.Dp, p.scale, Q + int64_t(g) * tl.rows * plan.Dp);
-    load_rows(plan.bw.dout, p.dtype, tl.b, h, tl.q0, tl.rows, tl.rows, p.Dv, plan.Dvp, 1.f,
-              dO + int64_t(g) * tl.rows * plan.Dvp);
+    load_rows(p.q, p.dtype, tl.b, h, tl.q0, tl.rows, tl.rows, p.D, plan.Dp, Q + int64_t(g) * tl.rows * plan.Dp);
+    load_rows(plan.bw.dout, p.dtype, tl.b, h, tl.q0, tl.rows, tl.rows, p.Dv, plan.Dvp, dO + int64_t(g) * tl.rows * plan.Dvp);
     for (int i = 0; i < tl.rows; ++i) {
       int64_t at = (int64_t(tl.b) * p.Hq + h) * p.Lq + tl.q0 + i;
       float row_lse = plan.bw.lse[at];
@@ -1323,7 +1337,7 @@ void pack_key_item(void* ctx, int64_t rj) {
   const int64_t at = plan.k_tile(r, j), bkp = plan.bkp;
   load_transposed(p.k, p.dtype, tk.b, tk.kv, tk.k0, tk.cols, p.D, bkp, plan.Kt + at * plan.Dp * bkp);
   load_transposed(p.v, p.dtype, tk.b, tk.kv, tk.k0, tk.cols, p.Dv, bkp, plan.Vt + at * plan.Dvp * bkp);
-  load_rows(p.k, p.dtype, tk.b, tk.kv, tk.k0, tk.cols, bkp, p.D, plan.Dp, 1.f, plan.K + at * bkp * plan.Dp);
+  load_rows(p.k, p.dtype, tk.b, tk.kv, tk.k0, tk.cols, bkp, p.D, plan.Dp, plan.K + at * bkp * plan.Dp);
 }
 
 // P = exp(S - lse - lse_lo) in S; dS = P ∘ (dP - delta) ∘ d(modifier) in dP. Kt/Vt are the tile's Kᵀ, Vᵀ.
@@ -1331,7 +1345,7 @@ inline void probabilities_and_score_grads(const BackwardPlan& plan, const Tile& 
                                           const float* Kt, const float* Vt, float* S, float* dP) {
   const Problem& p = plan.bw.p;
   const int n = tj.n(), bkp = plan.bkp;
-  gemm(n, bkp, p.D, rows_of(qt.Q, plan.Dp), Kt, bkp, S, bkp, false);      // S = Q·Kᵀ
+  gemm_scaled(n, bkp, p.D, rows_of(qt.Q, plan.Dp), Kt, bkp, S, bkp, p.scale);  // S = scale·Q·Kᵀ
   apply_rule(tj, S, bkp, 1);
   for (int rr = 0; rr < n; ++rr) fill(S + int64_t(rr) * bkp + tj.cols, bkp - tj.cols, NEG_INF);  // padding keys
   gemm(n, bkp, p.Dv, rows_of(qt.dO, plan.Dvp), Vt, bkp, dP, bkp, false);  // dP = dO·Vᵀ
@@ -1357,15 +1371,17 @@ inline void probabilities_and_score_grads(const BackwardPlan& plan, const Tile& 
   }
 }
 
-inline void store_rows(qkv::DType dtype, void* base, int64_t first_row, int count, int n, const float* src, int ld) {
+// Rows first_row .. first_row + count of base (n wide) = scale · src's (ld apart).
+inline void store_rows(qkv::DType dtype, void* base, int64_t first_row, int count, int n, const float* src, int ld,
+                       float scale) {
   for (int c = 0; c < count; ++c) {
     const float* s = src + int64_t(c) * ld;
     if (dtype == qkv::F32) {
       float* d = static_cast<float*>(base) + (first_row + c) * n;
-      for (int e = 0; e < n; ++e) d[e] = s[e];
+      for (int e = 0; e < n; ++e) d[e] = s[e] * scale;
     } else {
       uint16_t* d = static_cast<uint16_t*>(base) + (first_row + c) * n;
-      for (int e = 0; e < n; ++e) d[e] = f32_to_bf16(s[e]);
+      for (int e = 0; e < n; ++e) d[e] = f32_to_bf16(s[e] * scale);
     }
   }
 }
@@ -1378,7 +1394,7 @@ struct PairScratch {
 };
 
 // The gradients one (query tile t, key tile j) pair of row r contributes: dQ_t += dS·K and,
-// where given, dK_j += dSᵀ·(scale·Q), dV_j += Pᵀ·dO.
+// where given, dK_j += dSᵀ·Q, dV_j += Pᵀ·dO (dQ and dK are scaled as they are stored).
 inline void accumulate_pair(const BackwardPlan& plan, int r, int t, int j, PairScratch& w, float* dQ, float* dK,
                             float* dV) {
   const Problem& p = plan.bw.p;
@@ -1391,7 +1407,7 @@ inline void accumulate_pair(const BackwardPlan& plan, int r, int t, int j, PairS
   if (dQ) gemm(n, plan.Dp, tj.cols, rows_of(w.dP.p, bkp), plan.K + at * bkp * plan.Dp, plan.Dp, dQ, plan.Dp, true);
   // Pᵀ and dSᵀ are read in place as transposed operands (no copies)
   if (dV) gemm(tj.cols, plan.Dvp, n, transposed(rows_of(w.S.p, bkp)), qt.dO, plan.Dvp, dV, plan.Dvp, true);  // dV += Pᵀ·dO
-  if (dK) gemm(tj.cols, plan.Dp, n, transposed(rows_of(w.dP.p, bkp)), qt.Q, plan.Dp, dK, plan.Dp, true);  // dK += dSᵀ·(scale·Q)
+  if (dK) gemm(tj.cols, plan.Dp, n, transposed(rows_of(w.dP.p, bkp)), qt.Q, plan.Dp, dK, plan.Dp, true);  // dK += dSᵀ·Q
 }
 
 inline void store_dq(const BackwardPlan& plan, int r, int t, const float* dQ) {
@@ -1399,14 +1415,7 @@ inline void store_dq(const BackwardPlan& plan, int r, int t, const float* dQ) {
   Tile tl = make_tile(p, r, t, 0);
   for (int rr = 0; rr < tl.n(); ++rr) {
     const int64_t at = (int64_t(tl.b) * p.Hq + tl.head(rr)) * p.Lq + tl.query(rr);
-    const float* src = dQ + int64_t(rr) * plan.Dp;
-    if (plan.bw.grads == qkv::F32) {
-      float* dst = static_cast<float*>(plan.bw.dq) + at * p.D;
-      for (int d = 0; d < p.D; ++d) dst[d] = src[d] * p.scale;
-    } else {
-      uint16_t* dst = static_cast<uint16_t*>(plan.bw.dq) + at * p.D;
-      for (int d = 0; d < p.D; ++d) dst[d] = f32_to_bf16(src[d] * p.scale);
-    }
+    store_rows(plan.bw.grads, plan.bw.dq, at, 1, p.D, dQ + int64_t(rr) * plan.Dp, plan.Dp, p.scale);
   }
 }
 
@@ -1414,8 +1423,8 @@ inline void store_dkdv(const BackwardPlan& plan, int r, int j, const float* dK, 
   const Problem& p = plan.bw.p;
   Tile tk = make_tile(p, r, 0, j);
   const int64_t first = (int64_t(tk.b) * p.Hkv + tk.kv) * p.Lk + tk.k0;
-  store_rows(plan.bw.grads, plan.bw.dk, first, tk.cols, p.D, dK, plan.Dp);
-  store_rows(plan.bw.grads, plan.bw.dv, first, tk.cols, p.Dv, dV, plan.Dvp);
+  store_rows(plan.bw.grads, plan.bw.dk, first, tk.cols, p.D, dK, plan.Dp, p.scale);
+  store_rows(plan.bw.grads, plan.bw.dv, first, tk.cols, p.Dv, dV, plan.Dvp, 1.f);
 }
 
 // Two passes, for few rows: every (row, query tile) sums its dQ, every (row, key tile) its dK, dV.

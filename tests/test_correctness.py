@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import qkv
-from helpers import check_backend, dtypes_of_backend, kind_of_backend, precise_dtype, random_qkv
+from helpers import check_backend, convert, dtypes_of_backend, kind_of_backend, precise_dtype, random_qkv, to64
 
 SIZES = [(1, 1), (3, 17), (17, 3), (113, 129), (128, 128), (129, 513), (513, 129)]
 HEAD_DIMS = [(1, 1), (8, 8), (40, 40), (64, 64), (80, 80), (128, 128), (256, 256), (64, 24), (16, 100)]
@@ -74,6 +74,37 @@ def test_large_logits_are_stable(backend, rng):
     arrays, arrays64 = random_qkv(rng, (1, 1, 33, 8), (1, 1, 700, 8), (1, 1, 700, 8), kind, "float32")
     out, lse = check_backend(backend, arrays, arrays64, "float32", scale=1e3)
     assert np.isfinite(np.asarray(out.tolist())).all()
+
+
+@pytest.mark.parametrize("q_shape,Dv,seed", [((1, 2, 33, 16), 8, 0), ((1, 2, 33, 16), 8, 5),
+                                            ((1, 4, 1, 16), 16, 13), ((1, 4, 1, 16), 16, 30)],
+                         ids=["tiles-0", "tiles-5", "decoding-13", "decoding-30"])
+def test_large_scores_are_scaled_after_the_product(backend, q_shape, Dv, seed):
+    """Scores are scale·(q·kᵀ), rounded as the plain formula rounds them. Integer q and k make
+    q·kᵀ exact in any order; with the scale 0.3 folded into q first (q·0.3 rounded per element)
+    the float32 output was off by 2.4e-5 where the rule allows 1.7e-5 (tiles-0), the lse by
+    1.1e-4 where it allows 1.0e-4 (tiles-5), on the native, torch and NumPy backends; on the
+    native decoding path, the output by 1.1e-5 against 5.8e-6 and the lse by 4.9e-5 against
+    3.9e-5."""
+    if "float32" not in dtypes_of_backend(backend):
+        pytest.skip("no float32")
+    rng = np.random.default_rng(seed)
+    kind = kind_of_backend(backend)
+    q64, k64 = (rng.integers(-20, 21, s).astype(np.float64) for s in (q_shape, (1, 1, 300, 16)))
+    v64 = rng.standard_normal((1, 1, 300, Dv)).astype(np.float32).astype(np.float64)
+    arrays = [convert(x, kind, "float32") for x in (q64, k64, v64)]
+    check_backend(backend, arrays, (q64, k64, v64), "float32", scale=0.3)
+
+
+def test_a_huge_scale_multiplies_the_scores_not_q(backend):
+    """q·kᵀ = 0 and 0.1 times 1e38 are finite scores; q·1e38 is not in float32, and folded
+    into q first, the scale gave inf - inf = NaN where the answer is the second value."""
+    if "float32" not in dtypes_of_backend(backend):
+        pytest.skip("no float32")
+    q, k, v = (convert(np.array(x), kind_of_backend(backend), "float32")
+               for x in ([[[[10.0, -10.0]]]], [[[[1.0, 1.0], [0.01, 0.0]]]], [[[[1.0], [2.0]]]]))
+    out = qkv.attention(q, k, v, scale=1e38, backend=backend)
+    np.testing.assert_array_equal(to64(out), [[[[2.0]]]])
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32", "float16", "bfloat16"])

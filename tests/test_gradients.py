@@ -284,6 +284,16 @@ def test_gradients_at_large_scores(backend, rng, mask):
     check_gradients(backend, leaves, dict(mask=mask, scale=1.0), rng)
 
 
+@pytest.mark.parametrize("backend", [b for b in GRAD_BACKENDS if "float32" in dispatch.REGISTRY[b].caps.dtypes])
+@pytest.mark.parametrize("seed", [2, 4])
+def test_gradients_at_large_scores_with_an_inexact_scale(backend, seed):
+    """The scale multiplies the finished q·kᵀ, in the forward and in the backward's recomputed
+    scores. Folded into q first (q·0.3 rounded per element), it put dq off by 8.9e-5 where
+    the rule allows 5.5e-5 (seed 4) and dv off by 3.1e-5 where it allows 1.4e-5 (seed 2)."""
+    rng = np.random.default_rng(seed)
+    check_gradients(backend, large_score_leaves(rng, Lk=300), dict(scale=0.3), rng)
+
+
 @pytest.mark.parametrize("backend", [b for b in GRAD_BACKENDS if "bfloat16" in dispatch.REGISTRY[b].caps.dtypes])
 def test_bfloat16_backward_reads_the_output_as_summed(backend):
     """rowsum(dO ∘ O) comes from the output in float32, not rounded to bfloat16: from the

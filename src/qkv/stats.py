@@ -145,15 +145,14 @@ def _indices(like, inp, qi, k0: int, k1: int):
     return b, h, _arrays.like(qi, like).reshape(1, 1, -1, 1), ki
 
 
-def _modified_scores(inp, q, k, qi, k0: int, k1: int, masked: bool, q_scaled=False):
+def _modified_scores(inp, q, k, qi, k0: int, k1: int, masked: bool):
     """Scaled, modified scores of query rows qi against keys [k0, k1), -inf where masked.
 
     q (B, Hq, n, D) and k (B, Hkv, k1-k0, D) in the compute dtype; returns (B, Hq, n, k1-k0).
-    q_scaled: q already carries the scale (saves a pass over the scores).
+    The scale multiplies the finished products, as in the attention backends.
     """
     s = grouped_scores(q, k, inp.group)  # (B, Hq, n, m)
-    if not q_scaled:
-        s *= inp.scale
+    s *= inp.scale
     if not inp.score_mods and not masked:
         return s
     b, h, qi, ki = _indices(s, inp, qi, k0, k1)
@@ -223,7 +222,7 @@ class _Streamer:
 
     def _key_tiles(self, t: int, q, qi):
         """(k0, k1, kind, scores (B, Hq, bq, bk)) of each key tile the mask leaves non-EMPTY,
-        for query tile t with rows qi and q (B, Hq, bq, D), scale folded in."""
+        for query tile t with rows qi and q (B, Hq, bq, D)."""
         inp = self.inp
         for j, k0 in enumerate(range(0, inp.Lk, self.block_k)):
             kind = self._kind(t, j)
@@ -231,7 +230,7 @@ class _Streamer:
                 continue
             k1 = min(k0 + self.block_k, inp.Lk)
             k = _arrays.astype(inp.k[:, :, k0:k1], self.cdt)  # (B, Hkv, bk, D)
-            yield k0, k1, kind, _modified_scores(inp, q, k, qi, k0, k1, kind == PARTIAL, q_scaled=True)
+            yield k0, k1, kind, _modified_scores(inp, q, k, qi, k0, k1, kind == PARTIAL)
 
     def _log_sums(self, t: int, q, qi, lse):
         """log sum_j exp(s_ij - lse_i) (B, Hq, bq, 1) over every key, with the scores computed
@@ -257,7 +256,7 @@ class _Streamer:
         """Every key tile against the query rows [q0, q0 + block_q)."""
         inp, xp = self.inp, self.xp
         q1 = min(q0 + self.block_q, inp.Lq)
-        q = _arrays.astype(inp.q[:, :, q0:q1], self.cdt) * inp.scale  # (B, Hq, bq, D), scale folded in
+        q = _arrays.astype(inp.q[:, :, q0:q1], self.cdt)  # (B, Hq, bq, D)
         qi = np.arange(q0, q1)
         lse = self.safe_lse[:, :, q0:q1]  # (B, Hq, bq, 1)
         log_sums = self._log_sums(t, q, qi, lse) if self.cdt != "float64" else 0.0  # float64: exact enough

@@ -38,7 +38,7 @@ class NumpyBackend(Backend):
         heads = slice(kv * inp.group, (kv + 1) * inp.group)
         q0, q1 = t * self.block_q, min((t + 1) * self.block_q, inp.Lq)
         n = inp.group * (q1 - q0)
-        q = (inp.q[b, heads, q0:q1].astype(cdt) * inp.scale).reshape(n, inp.D)  # (G*bq, D), scale folded in
+        q = inp.q[b, heads, q0:q1].astype(cdt).reshape(n, inp.D)  # (G*bq, D)
         m = np.full((n, 1), -np.inf, dtype=cdt)  # running row max
         safe_m = np.zeros((n, 1), dtype=cdt)
         l = np.zeros((n, 1), dtype=cdt)  # running sum of exp
@@ -48,7 +48,8 @@ class NumpyBackend(Backend):
                 continue
             k0, k1 = j * self.block_k, min((j + 1) * self.block_k, inp.Lk)
             rule = TileRule(inp, [r], q0, q1, k0, k1, partial_flags(classes, [r], t, j), q)
-            s = rule.modify((q @ inp.k[b, kv, k0:k1].astype(cdt).T)[None])[0]  # (G*bq, bk)
+            s = q @ inp.k[b, kv, k0:k1].astype(cdt).T  # (G*bq, bk)
+            s = rule.modify(np.multiply(s, inp.scale, out=s)[None])[0]  # scaled after the product
             allowed = rule.allowed()
             if allowed is not None:
                 s = np.where(allowed[0], s, -np.inf)

@@ -80,7 +80,7 @@ def forward_tiled(inp, q, k, v, keep_sum_dtype=False):
     lse_lo = torch.empty(R, G, inp.Lq, dtype=cdt, device=q.device)
     for t in range(tiles.nq):
         q0, q1 = tiles.q_range(t, inp.Lq)
-        qt = _stacked_q(q5, q0, q1).to(cdt) * inp.scale  # (R, G*bq, D), scale folded in
+        qt = _stacked_q(q5, q0, q1).to(cdt)  # (R, G*bq, D)
         n = qt.shape[1]
         m = torch.full((R, n, 1), float("-inf"), dtype=cdt, device=q.device)  # running row max
         l = torch.zeros(R, n, 1, dtype=cdt, device=q.device)  # running sum of exp
@@ -93,7 +93,7 @@ def forward_tiled(inp, q, k, v, keep_sum_dtype=False):
             rule = TileRule(inp, rows, q0, q1, k0, k1, partial_flags(tiles.classes, rows, t, j), qt)
             kt = _pick(k3[:, k0:k1], sel).to(cdt)  # (r, bk, D)
             vt = _pick(v3[:, k0:k1], sel).to(cdt)  # (r, bk, Dv)
-            s = rule.modify(_pick(qt, sel) @ kt.transpose(1, 2))  # (r, G*bq, bk)
+            s = rule.modify(scaled_scores(_pick(qt, sel), kt, inp.scale))  # (r, G*bq, bk)
             allowed = rule.allowed()
             if allowed is not None:
                 s = s.masked_fill(~allowed, float("-inf"))
@@ -136,7 +136,7 @@ def backward_tiled(inp, q, k, v, out, lse, dout, dlse, keep_sum_dtype=False, lse
     cdt = lse.dtype
     tiles = _Tiles(inp)
     R, G = tiles.rows, inp.group
-    q5 = (q.to(cdt) * inp.scale).reshape(R, G, inp.Lq, inp.D)
+    q5 = q.to(cdt).reshape(R, G, inp.Lq, inp.D)
     k3, v3 = k.reshape(R, inp.Lk, inp.D), v.reshape(R, inp.Lk, inp.Dv)
     do5 = dout.to(cdt).reshape(R, G, inp.Lq, inp.Dv)
     # rowsum(P ∘ dP) = rowsum(dO ∘ O), minus the lse gradient (d lse / d s = P)
@@ -164,7 +164,7 @@ def backward_tiled(inp, q, k, v, out, lse, dout, dlse, keep_sum_dtype=False, lse
             lse_t = _pick(_stacked_q(lse5[..., None], q0, q1), sel)  # (r, G*bq, 1)
             lo_t = _pick(_stacked_q(lo5[..., None], q0, q1), sel)  # (r, G*bq, 1)
             delta_t = _pick(_stacked_q(delta[..., None], q0, q1), sel)
-            raw = qt @ kt.transpose(1, 2)  # (r, G*bq, bk)
+            raw = scaled_scores(qt, kt, inp.scale)  # (r, G*bq, bk)
             grad_mod, s = _modified_with_grad(rule, raw)
             allowed = rule.allowed()
             if allowed is not None:
@@ -176,11 +176,18 @@ def backward_tiled(inp, q, k, v, out, lse, dout, dlse, keep_sum_dtype=False, lse
                 dp = dp * keep
             ds = grad_mod(p * (dp - delta_t))  # gradient at the raw scaled scores
             _add_rows(dv[:, k0:k1], sel, (p if keep is None else p * keep).transpose(1, 2) @ dot)
-            _add_rows(dk[:, k0:k1], sel, ds.transpose(1, 2) @ qt)
+            _add_rows(dk[:, k0:k1], sel, ds.transpose(1, 2) @ qt)  # scaled below
             dq_tile = (ds @ kt * inp.scale).reshape(len(rows), G, q1 - q0, inp.D)
             _add_rows(dq[:, :, q0:q1], sel, dq_tile)
-    grads = dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+    grads = dq.reshape(q.shape), dk.mul_(inp.scale).reshape(k.shape), dv.reshape(v.shape)
     return grads if keep_sum_dtype else tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
+
+
+def scaled_scores(q, k, scale):
+    """scale·(q·kᵀ) for q (r, n, D) and k (r, bk, D): scaled after the product, as the plain
+    formula rounds it. A scale folded into q first rounds each of q's elements once more,
+    which at large scores put float32 gradients past the tolerance rule."""
+    return (q @ k.transpose(1, 2)).mul_(scale)  # (r, n, bk)
 
 
 def _add_rows(target, sel, value):
