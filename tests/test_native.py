@@ -391,7 +391,8 @@ def problems(draw):
     mask = draw(st.sampled_from([None, "causal", "top_left", "window", "padding", "document", "mask_fn", "dense"]))
     mod = draw(st.sampled_from([None, "alibi", "softcap", "bias"]))
     unit = draw(st.sampled_from(["amx", "fma"]))  # of float32 products
-    return B, Hkv, G, Lq, Lk, D, Dv, dtype, layout, mask, mod, unit, draw(st.integers(0, 2**31))
+    scale = draw(st.sampled_from([None, 0.3, -0.7, 1e-3]))
+    return B, Hkv, G, Lq, Lk, D, Dv, dtype, layout, mask, mod, unit, scale, draw(st.integers(0, 2**31))
 
 
 def _strided(x, layout):
@@ -407,7 +408,7 @@ def _strided(x, layout):
 @settings(max_examples=60)
 @given(problems())
 def test_randomized_differential(problem):
-    B, Hkv, G, Lq, Lk, D, Dv, dtype, layout, mask, mod, unit, seed = problem
+    B, Hkv, G, Lq, Lk, D, Dv, dtype, layout, mask, mod, unit, scale, seed = problem
     rng = np.random.default_rng(seed)
     Hq = Hkv * G
     arrays64 = [rng.standard_normal(s) for s in ((B, Hq, Lq, D), (B, Hkv, Lk, D), (B, Hkv, Lk, Dv))]
@@ -419,7 +420,7 @@ def test_randomized_differential(problem):
              "document": qkv.document(np.sort(rng.integers(0, 3, (B, Lq))), np.sort(rng.integers(0, 3, (B, Lk)))),
              "mask_fn": qkv.mask_fn(lambda b, h, i, j: (i * 7 + j * 3 + h) % 5 != 0),
              "dense": qkv.dense_mask(rng.random((B, 1, Lq, Lk)) < 0.6)}
-    kwargs = {"mask": masks[mask]}
+    kwargs = {"mask": masks[mask], "scale": scale}
     if mod == "alibi":
         kwargs["score_mod"] = qkv.alibi(rng.random(Hq))
     elif mod == "softcap":
@@ -548,6 +549,18 @@ def test_a_lazily_negated_bias_is_read_with_its_sign(backend):
     negated = torch._neg_view(bias)
     assert negated.is_neg()
     assert torch.equal(qkv.attention(q, k, v, negated, backend=backend), qkv.attention(q, k, v, -bias, backend=backend))
+
+
+@pytest.mark.parametrize("lq,dv,seed", [(4, 3, 1), (1, 1, 10)])
+def test_long_head_dims_sum_in_chains(lq, dv, seed):
+    """A head dim of 256 is summed as four chains of 64 products, each from zero: in one chain,
+    scores of std 25 rounded several times as much as the reference's dot products, and the
+    lse was off by 1.3e-5 where the rule allows 5.4e-6 (4 queries), by 7.7e-6 against 2.1e-6
+    (one query)."""
+    rng = np.random.default_rng(seed)
+    shapes = (1, 1, lq, 256), (1, 1, 122, 256), (1, 1, 122, dv)
+    arrays = [(rng.standard_normal(s) * 3).astype(np.float32) for s in shapes]
+    check_backend("native", arrays, [to64(x) for x in arrays], "float32")
 
 
 @pytest.mark.parametrize("scale", [0.0, -0.3])
