@@ -871,7 +871,7 @@ inline void scale_tile(float* ST, int cols, int np, float scale) {
 // ---- decoding: a few stacked queries against many keys ---------------------------------------
 // With few queries a transposed score tile would fill a fraction of each vector, so here
 // the rows of K and V (float32 or bfloat16, T) are read in place and the vectors run along
-// the head dim instead: S = Q·Kᵀ (n x keys) by dot products, O (n x Dv) += P·V with up to
+// the head dim instead: S = scale·Q·Kᵀ (n x keys) by dot products, O (n x Dv) += P·V with up to
 // four rows and four vectors of O held in registers, all in float32 (bfloat16 rows are widened
 // as they are loaded; P is not rounded). The result is written out as Oᵀ for the common code.
 // Up to how many stacked queries (per KV head) take this path. bfloat16 goes further: on AMX
@@ -888,6 +888,9 @@ inline bool few_queries_path(const Problem& p, int n) {
   const int most = p.dtype == qkv::BF16 ? FEW_QUERIES_BF16 : p.dtype == qkv::F32 ? FEW_QUERIES : 0;
   return n <= most && p.k.s3 == 1 && p.v.s3 == 1 && p.D % W == 0 && p.Dv % W == 0;
 }
+
+// Whether the forward of p runs on the decoding path: G stacked heads of a query tile are few.
+inline bool decoding_forward(const Problem& p) { return few_queries_path(p, p.Hq / p.Hkv * imin(p.block_q, p.Lq)); }
 
 // bfloat16 K and V rows are read 2W elements at a time as their even-indexed elements and
 // their odd ones (Vec::load_pairs: one load and two integer operations, where widening them in
@@ -1167,10 +1170,10 @@ void amx_tiles(const ForwardPlan& plan, const Tile& tl, int split, Accumulator& 
       alphas(parts > 1 ? np : 0);
   uint16_t* QB = reinterpret_cast<uint16_t*>(QB_.p);
   uint16_t* PB = reinterpret_cast<uint16_t*>(PB_.p);
-  // Scores are scaled after their products. The bfloat16 softmax's fused scale takes
-  // max(s)·scale for max(s·scale) and keeps -inf at -inf: true only for a positive scale.
-  // Modifiers see scaled scores too, and the float32 softmax takes them scaled. Else (and
-  // there) the tile is scaled first.
+  // Scores are scaled after their products: by the bfloat16 softmax itself, which takes
+  // max(s)·scale for max(s·scale) and keeps -inf at -inf (true only for a positive scale), or
+  // first, by scale_tile, wherever that does not hold: a scale of 0 or below, modifiers (they
+  // see scaled scores), and float32 parts (their softmax takes scaled scores).
   const bool scale_first = parts > 1 || any_modifier(p) || !(p.scale > 0.f);
   amx_configure(), pack_queries(p, tl, plan.G, Dpad, np, parts, QB);
   for_each_key_tile(plan, tl, split, acc, [&](const Tile& tj) {
@@ -1257,7 +1260,7 @@ void forward(const Forward& f) {
   const Problem& p = f.p;
   if (p.B == 0 || p.Hkv == 0 || p.Lq == 0) return;  // nothing to write
   const int G = p.Hq / p.Hkv, n = G * imin(p.block_q, p.Lq);
-  const bool few_queries = few_queries_path(p, n);  // decoding: on the FMA units, either dtype
+  const bool few_queries = decoding_forward(p);  // on the FMA units, either dtype
 #if defined(QKV_AMX)
   const bool float_on_amx = p.dtype == qkv::F32 && f.float32_on_amx && !few_queries;
   const bool amx = !few_queries && (p.dtype == qkv::BF16 || float_on_amx);
@@ -1315,6 +1318,7 @@ namespace {
 struct BackwardPlan {
   const Backward& bw;
   int G, nq, nk, Dp, Dvp, bkp, n_max;
+  bool decoding;  // the forward ran on the decoding path, which rounds scores its own way
   // per (row, query tile): Q (n_max x Dp), dO (n_max x Dvp), lse, lse_lo and delta (n_max)
   float *Q, *dO, *lse, *lse_lo, *delta;
   // per (row, key tile): Kᵀ (Dp x bkp), Vᵀ (Dvp x bkp), K (bkp x Dp)
@@ -1370,12 +1374,27 @@ void pack_key_item(void* ctx, int64_t rj) {
   load_rows(p.k, p.dtype, tk.b, tk.kv, tk.k0, tk.cols, bkp, p.D, plan.Dp, plan.K + at * bkp * plan.Dp);
 }
 
+// S (n x bkp) = scale·Q·Kᵀ, rounded as the forward rounded it, so that P is rebuilt against
+// the lse of the same scores. The decoding path sums each q·k along the head dim in vector
+// lanes (bfloat16 ones in pair order, for which Q is copied to `pairs`); from the products'
+// sums instead, the lse was 7.6e-6 off them at scale 7 and dq broke the tolerance rule.
+inline void recompute_scores(const BackwardPlan& plan, const Tile& tj, const float* Q, const float* Kt, float* S,
+                             float* pairs) {
+  const Problem& p = plan.bw.p;
+  const int n = tj.n();
+  if (!plan.decoding) return gemm_scaled(n, plan.bkp, p.D, rows_of(Q, plan.Dp), Kt, plan.bkp, S, plan.bkp, p.scale);
+  if (p.dtype == qkv::F32) return scores_by_rows<float>(p, tj, n, Q, S, plan.bkp);  // Dp = D here
+  memcpy(pairs, Q, size_t(n) * p.D * 4);
+  for (int rr = 0; rr < n; ++rr) to_pair_order(pairs + int64_t(rr) * p.D, p.D);
+  scores_by_rows<uint16_t>(p, tj, n, pairs, S, plan.bkp);
+}
+
 // P = exp(S - lse - lse_lo) in S; dS = P ∘ (dP - delta) ∘ d(modifier) in dP. Kt/Vt are the tile's Kᵀ, Vᵀ.
 inline void probabilities_and_score_grads(const BackwardPlan& plan, const Tile& tj, const QueryTile& qt,
-                                          const float* Kt, const float* Vt, float* S, float* dP) {
+                                          const float* Kt, const float* Vt, float* S, float* dP, float* pairs) {
   const Problem& p = plan.bw.p;
   const int n = tj.n(), bkp = plan.bkp;
-  gemm_scaled(n, bkp, p.D, rows_of(qt.Q, plan.Dp), Kt, bkp, S, bkp, p.scale);  // S = scale·Q·Kᵀ
+  recompute_scores(plan, tj, qt.Q, Kt, S, pairs);
   apply_rule(tj, S, bkp, 1);
   for (int rr = 0; rr < n; ++rr) fill(S + int64_t(rr) * bkp + tj.cols, bkp - tj.cols, NEG_INF);  // padding keys
   gemm(n, bkp, p.Dv, rows_of(qt.dO, plan.Dvp), Vt, bkp, dP, bkp, false);  // dP = dO·Vᵀ
@@ -1418,9 +1437,10 @@ inline void store_rows(qkv::DType dtype, void* base, int64_t first_row, int coun
 
 // Scratch of one thread for one (query tile, key tile) pair.
 struct PairScratch {
-  Buffer S, dP;
+  Buffer S, dP, pairs;  // pairs: Q in pair order, for bfloat16 on the decoding path
   explicit PairScratch(const BackwardPlan& plan)
-      : S(int64_t(plan.n_max) * plan.bkp), dP(int64_t(plan.n_max) * plan.bkp) {}
+      : S(int64_t(plan.n_max) * plan.bkp), dP(int64_t(plan.n_max) * plan.bkp),
+        pairs(plan.decoding && plan.bw.p.dtype == qkv::BF16 ? int64_t(plan.n_max) * plan.Dp : 0) {}
 };
 
 // The gradients one (query tile t, key tile j) pair of row r contributes: dQ_t += dS·K and,
@@ -1433,7 +1453,7 @@ inline void accumulate_pair(const BackwardPlan& plan, int r, int t, int j, PairS
   const int64_t at = plan.k_tile(r, j);
   QueryTile qt(plan, r, t);
   probabilities_and_score_grads(plan, tj, qt, plan.Kt + at * plan.Dp * bkp, plan.Vt + at * plan.Dvp * bkp, w.S.p,
-                                w.dP.p);
+                                w.dP.p, w.pairs.p);
   if (dQ) gemm(n, plan.Dp, tj.cols, rows_of(w.dP.p, bkp), plan.K + at * bkp * plan.Dp, plan.Dp, dQ, plan.Dp, true);
   // Pᵀ and dSᵀ are read in place as transposed operands (no copies)
   if (dV) gemm(tj.cols, plan.Dvp, n, transposed(rows_of(w.S.p, bkp)), qt.dO, plan.Dvp, dV, plan.Dvp, true);  // dV += Pᵀ·dO
@@ -1504,7 +1524,7 @@ void backward(const Backward& bw) {
   if (p.B == 0 || p.Hkv == 0) return;  // no gradient elements
   const int G = p.Hq / p.Hkv, threads = threads_for(p, MIN_PARALLEL_MULTIPLY_ADDS);
   BackwardPlan plan{bw, G, cdiv(p.Lq, p.block_q), cdiv(p.Lk, p.block_k), round_up(p.D, W), round_up(p.Dv, W),
-                    round_up(p.block_k, W), G * p.block_q};
+                    round_up(p.block_k, W), G * p.block_q, decoding_forward(p)};
   const int64_t rows = int64_t(p.B) * p.Hkv, q_tiles = rows * plan.nq, k_tiles = rows * plan.nk;
   Buffer q_side(q_tiles * plan.n_max * (plan.Dp + plan.Dvp + 3));
   Buffer k_side(k_tiles * plan.bkp * (2 * plan.Dp + plan.Dvp));

@@ -83,9 +83,9 @@ def test_large_scores_are_scaled_after_the_product(backend, q_shape, Dv, seed):
     """Scores are scale·(q·kᵀ), rounded as the plain formula rounds them. Integer q and k make
     q·kᵀ exact in any order; with the scale 0.3 folded into q first (q·0.3 rounded per element)
     the float32 output was off by 2.4e-5 where the rule allows 1.7e-5 (tiles-0), the lse by
-    1.1e-4 where it allows 1.0e-4 (tiles-5), on the native, torch and NumPy backends; on the
-    native decoding path, the output by 1.1e-5 against 5.8e-6 and the lse by 4.9e-5 against
-    3.9e-5."""
+    1.1e-4 where it allows 1.0e-4 (tiles-5), on the native, torch and NumPy backends; with one
+    query of four heads (the native decoding path), the output by 1.1e-5 against 5.8e-6 and
+    the lse by 4.9e-5 against 3.9e-5 on native, and the output on NumPy too (decoding-13)."""
     if "float32" not in dtypes_of_backend(backend):
         pytest.skip("no float32")
     rng = np.random.default_rng(seed)
@@ -96,15 +96,19 @@ def test_large_scores_are_scaled_after_the_product(backend, q_shape, Dv, seed):
     check_backend(backend, arrays, (q64, k64, v64), "float32", scale=0.3)
 
 
-def test_a_huge_scale_multiplies_the_scores_not_q(backend):
+@pytest.mark.parametrize("D", [2, 16], ids=["tiles", "decoding"])
+def test_a_huge_scale_multiplies_the_scores_not_q(backend, D):
     """q·kᵀ = 0 and 0.1 times 1e38 are finite scores; q·1e38 is not in float32, and folded
-    into q first, the scale gave inf - inf = NaN where the answer is the second value."""
+    into q first, the scale gave inf - inf = NaN where the answer is the second value. (D
+    and Dv of 16: the native decoding path.)"""
     if "float32" not in dtypes_of_backend(backend):
         pytest.skip("no float32")
-    q, k, v = (convert(np.array(x), kind_of_backend(backend), "float32")
-               for x in ([[[[10.0, -10.0]]]], [[[[1.0, 1.0], [0.01, 0.0]]]], [[[[1.0], [2.0]]]]))
+    q, k = np.zeros((1, 1, 1, D)), np.zeros((1, 1, 2, D))
+    q[..., :2], k[..., 0, :2], k[..., 1, 0] = [10.0, -10.0], [1.0, 1.0], 0.01
+    v = np.repeat([[[[1.0], [2.0]]]], D, axis=-1)  # (1, 1, 2, D)
+    q, k, v = (convert(x, kind_of_backend(backend), "float32") for x in (q, k, v))
     out = qkv.attention(q, k, v, scale=1e38, backend=backend)
-    np.testing.assert_array_equal(to64(out), [[[[2.0]]]])
+    np.testing.assert_array_equal(to64(out), np.full((1, 1, 1, D), 2.0))
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32", "float16", "bfloat16"])

@@ -4,7 +4,8 @@ import pytest
 
 import qkv
 from helpers import assert_within_rule, check_bfloat16_short_row, check_gradients, reference_grads, to64
-from qkv import dispatch
+from qkv import dispatch, inputs
+from qkv.backends.native import _few_queries
 
 torch = pytest.importorskip("torch")
 
@@ -264,12 +265,12 @@ def test_function_transforms_run_through_the_explicit_formula(rng):
         torch.testing.assert_close(grad, torch.func.grad(lambda x: plain(x).pow(2).sum())(q), rtol=1e-12, atol=1e-12)
 
 
-def large_score_leaves(rng, Lk, dtype=torch.float32):
+def large_score_leaves(rng, Lk, dtype=torch.float32, Lq=33, Hq=2, Dv=8):
     """Integer q and k of D = 16: their scores (scale 1) are exact in float32 in any summation
     order, and the rows' lse lie near 1000-2000, where float32 rounds an lse by 1e-4."""
     ints = lambda *s: torch.tensor(rng.integers(-20, 21, s), dtype=dtype, requires_grad=True)  # noqa: E731
-    v = torch.tensor(rng.standard_normal((1, 1, Lk, 8)), dtype=dtype, requires_grad=True)
-    return ints(1, 2, 33, 16), ints(1, 1, Lk, 16), v
+    v = torch.tensor(rng.standard_normal((1, 1, Lk, Dv)), dtype=dtype, requires_grad=True)
+    return ints(1, Hq, Lq, 16), ints(1, 1, Lk, 16), v
 
 
 @pytest.mark.parametrize("backend", [b for b in GRAD_BACKENDS if "float32" in dispatch.REGISTRY[b].caps.dtypes])
@@ -286,12 +287,30 @@ def test_gradients_at_large_scores(backend, rng, mask):
 
 @pytest.mark.parametrize("backend", [b for b in GRAD_BACKENDS if "float32" in dispatch.REGISTRY[b].caps.dtypes])
 @pytest.mark.parametrize("seed", [2, 4])
-def test_gradients_at_large_scores_with_an_inexact_scale(backend, seed):
+@pytest.mark.parametrize("shape", [dict(), dict(Lq=1, Hq=4, Dv=16)], ids=["tiles", "decoding"])
+def test_gradients_at_large_scores_with_an_inexact_scale(backend, seed, shape):
     """The scale multiplies the finished q·kᵀ, in the forward and in the backward's recomputed
     scores. Folded into q first (q·0.3 rounded per element), it put dq off by 8.9e-5 where
-    the rule allows 5.5e-5 (seed 4) and dv off by 3.1e-5 where it allows 1.4e-5 (seed 2)."""
+    the rule allows 5.5e-5 (tiles, seed 4) and dv off by 3.1e-5 where it allows 1.4e-5
+    (tiles, seed 2); with one query of four heads (the native decoding path), dq by 4.2e-4
+    against 5.7e-5 (seed 2)."""
     rng = np.random.default_rng(seed)
-    check_gradients(backend, large_score_leaves(rng, Lk=300), dict(scale=0.3), rng)
+    check_gradients(backend, large_score_leaves(rng, Lk=300, **shape), dict(scale=0.3), rng)
+
+
+@pytest.mark.skipif("native" not in GRAD_BACKENDS, reason="no native kernel")
+@pytest.mark.parametrize("seed", [4, 9])
+def test_native_decoding_backward_rebuilds_the_forwards_scores(seed):
+    """Few stacked queries run on the native decoding path, whose dot products sum along the
+    head dim in vector lanes: the backward recomputes the scores that way too. From the
+    products' sums instead, P was rebuilt against the lse of other scores, 7.6e-6 apart at
+    scale 7, and dq was off by 4.7e-5 where the rule allows 3.1e-5 (seed 4), by 2.7e-4
+    against 1.1e-4 (seed 9)."""
+    rng = np.random.default_rng(seed)
+    make = lambda *s: torch.tensor(rng.standard_normal(s), dtype=torch.float32, requires_grad=True)  # noqa: E731
+    leaves = make(1, 4, 1, 16), make(1, 2, 300, 16), make(1, 2, 300, 16)
+    assert _few_queries(inputs.prepare(*leaves))  # the decoding path
+    check_gradients("native", leaves, dict(scale=7.0), rng)
 
 
 @pytest.mark.parametrize("backend", [b for b in GRAD_BACKENDS if "bfloat16" in dispatch.REGISTRY[b].caps.dtypes])

@@ -177,9 +177,9 @@ def backward_tiled(inp, q, k, v, out, lse, dout, dlse, keep_sum_dtype=False, lse
             ds = grad_mod(p * (dp - delta_t))  # gradient at the raw scaled scores
             _add_rows(dv[:, k0:k1], sel, (p if keep is None else p * keep).transpose(1, 2) @ dot)
             _add_rows(dk[:, k0:k1], sel, ds.transpose(1, 2) @ qt)  # scaled below
-            dq_tile = (ds @ kt * inp.scale).reshape(len(rows), G, q1 - q0, inp.D)
+            dq_tile = (ds @ kt).reshape(len(rows), G, q1 - q0, inp.D)  # scaled below
             _add_rows(dq[:, :, q0:q1], sel, dq_tile)
-    grads = dq.reshape(q.shape), dk.mul_(inp.scale).reshape(k.shape), dv.reshape(v.shape)
+    grads = dq.mul_(inp.scale).reshape(q.shape), dk.mul_(inp.scale).reshape(k.shape), dv.reshape(v.shape)
     return grads if keep_sum_dtype else tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
 
 
