@@ -133,6 +133,25 @@ def test_mask_fn_dense_and_algebra():
     np.testing.assert_array_equal(dense.materialize(Lq, Lk), want_parity)
 
 
+@pytest.mark.parametrize("backend", [None, "torch", "native"])
+def test_a_rule_written_with_torch_functions_runs_on_torch_inputs(backend):
+    """qkv evaluates a rule itself (tile classes, the native kernel's tile bitmaps) on index
+    arrays of the inputs' kind: a rule of torch functions for torch inputs used to fail there
+    with torch's TypeError on NumPy arrays, on every backend but the reference."""
+    torch = pytest.importorskip("torch")
+    if backend is not None and qkv.dispatch.REGISTRY[backend].missing():
+        pytest.skip(qkv.dispatch.REGISTRY[backend].missing())
+    rng = np.random.default_rng(0)
+    q, k, v = (torch.tensor(rng.standard_normal((1, 2, n, 8)), dtype=torch.float32) for n in (200, 300, 300))
+    torch_rule = qkv.mask_fn(lambda b, h, i, j: torch.remainder(i - j + h, 3) != 0)
+    same_rule = qkv.mask_fn(lambda b, h, i, j: (i - j + h) % 3 != 0)
+    got = qkv.attention(q, k, v, torch_rule, backend=backend)
+    want = qkv.attention(q, k, v, same_rule, backend="reference")
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
+    stats = qkv.attention_stats(q, k, torch_rule)
+    torch.testing.assert_close(stats.entropy, qkv.attention_stats(q, k, same_rule).entropy)
+
+
 def test_head_dependent_rule():
     rule = qkv.mask_fn(lambda b, h, i, j: j <= i + h)
     grid = rule.materialize(4, 4, heads=3)

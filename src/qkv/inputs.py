@@ -248,7 +248,7 @@ class AttentionInputs:
         """The sizes masks and score modifiers are evaluated for (built when first asked for:
         most calls have neither)."""
         if self._geom is None:
-            self._geom = masks.Geometry(self.B, self.Hq, self.Lq, self.Lk, self.batch_shape)
+            self._geom = masks.Geometry(self.B, self.Hq, self.Lq, self.Lk, self.batch_shape, self.kind)
         return self._geom
 
     def output_shape(self, last: int) -> tuple:

@@ -43,10 +43,21 @@ class Geometry:
     Lq: int
     Lk: int
     batch_shape: tuple = None  # the caller's leading dims (flattened into batch); (batch,) if not given
+    kind: str = "numpy"  # of the caller's arrays: rules qkv evaluates itself get index arrays of it
 
     def __post_init__(self):
         if self.batch_shape is None:
             object.__setattr__(self, "batch_shape", (self.batch,))
+
+    def host_probe(self):
+        """An empty array of the caller's kind on the host, for index arrays like it: a rule
+        written with torch functions for torch inputs then works wherever qkv evaluates it
+        (tile classes, the native kernel's tile bitmaps), not only in the torch backend."""
+        if self.kind == "torch":
+            import torch
+
+            return torch.zeros(0)
+        return np.zeros(0)
 
 
 def tile_indices(like, b, h, q0: int, q1: int, k0: int, k1: int):
@@ -144,7 +155,10 @@ class Mask:
         inputs.check_positive_int("block_k", block_k)
         _check_sizes(Lq, Lk, heads)
         batch_shape = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
-        geom = Geometry(math.prod(batch_shape), heads, Lq, Lk, batch_shape)
+        return self.tile_classes(Geometry(math.prod(batch_shape), heads, Lq, Lk, batch_shape), block_q, block_k)
+
+    def tile_classes(self, geom: Geometry, block_q: int, block_k: int) -> np.ndarray:
+        """As blocks(), for a call's geometry (its rules see index arrays of the call's kind)."""
         self.check(geom)
         classes = self._classify(geom, block_q, block_k)
         if (classes == _MAYBE).any():
@@ -233,7 +247,7 @@ def _settle_by_evaluation(mask: Mask, classes, geom: Geometry, block_q: int, blo
     nq, nk = classes.shape[-2:]
     heads = 1 if mask.head_independent else geom.heads
     classes = np.broadcast_to(classes, (geom.batch, heads, nq, nk)).copy()
-    probe = np.zeros(0)
+    probe = geom.host_probe()
     for t in range(nq):
         maybe = (classes[:, :, t, :] == _MAYBE).any(axis=(0, 1))  # (nk,)
         q0, q1 = t * block_q, min((t + 1) * block_q, geom.Lq)
@@ -245,7 +259,8 @@ def _settle_by_evaluation(mask: Mask, classes, geom: Geometry, block_q: int, blo
                 continue
             k0, k_end = j0 * block_k, min(j1 * block_k, geom.Lk)  # real keys only: the last tile may be short
             b, h, qi, ki = tile_indices(probe, np.arange(geom.batch), np.arange(heads), q0, q1, k0, k_end)
-            band = np.broadcast_to(mask.allowed(b, h, qi, ki, geom), (geom.batch, heads, q1 - q0, k_end - k0))
+            allowed = _arrays.to_numpy(mask.allowed(b, h, qi, ki, geom))
+            band = np.broadcast_to(allowed, (geom.batch, heads, q1 - q0, k_end - k0))
             starts = np.arange(j1 - j0) * block_k  # each tile's first key in the band
             any_ = np.logical_or.reduceat(band.any(axis=2), starts, axis=-1)  # (B, heads, j1 - j0)
             all_ = np.logical_and.reduceat(band.all(axis=2), starts, axis=-1)
@@ -719,7 +734,13 @@ def prefix_lm(lengths) -> Mask:
 
 
 def mask_fn(fn) -> Mask:
-    """A vectorised rule ``fn(b, h, qi, ki) -> bool`` over broadcast index arrays (NumPy or torch)."""
+    """A vectorised rule ``fn(b, h, qi, ki) -> bool`` over broadcast index arrays.
+
+    The index arrays are of the inputs' kind: NumPy arrays for NumPy inputs, torch tensors for
+    torch ones (on the host where qkv classifies tiles, on the inputs' device in the torch
+    backend), so a rule may use that kind's functions. ``blocks`` and ``materialize`` pass
+    NumPy arrays.
+    """
     return MaskFn(fn)
 
 

@@ -328,7 +328,7 @@ def _tile_kinds(inp, block_q: int, block_k: int):
     """EMPTY / PARTIAL / FULL for each (query tile, key tile) over all rows and heads, or None."""
     if inp.mask is None:
         return None
-    classes = inp.mask.blocks(inp.Lq, inp.Lk, block_q, block_k, batch=inp.geom.batch_shape, heads=inp.Hq)
+    classes = inp.mask.tile_classes(inp.geom, block_q, block_k)
     empty = (classes == EMPTY).all(axis=(0, 1))  # (nq, nk)
     full = (classes == FULL).all(axis=(0, 1))
     return np.where(empty, EMPTY, np.where(full, FULL, PARTIAL))

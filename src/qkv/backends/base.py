@@ -246,7 +246,7 @@ def row_tile_classes(inp, block_q: int, block_k: int):
 
 
 def _row_tile_classes(inp, block_q: int, block_k: int):
-    blocks = inp.mask.blocks(inp.Lq, inp.Lk, block_q, block_k, batch=inp.geom.batch_shape, heads=inp.Hq)
+    blocks = inp.mask.tile_classes(inp.geom, block_q, block_k)
     nq, nk = blocks.shape[-2:]
     per_head = np.broadcast_to(blocks, (inp.B, inp.Hq, nq, nk)).reshape(inp.B, inp.Hkv, inp.group, nq, nk)
     empty = (per_head == EMPTY).all(axis=2)

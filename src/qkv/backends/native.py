@@ -298,15 +298,17 @@ def _partial_bitmaps(inp, classes, blocks):
     index[partial] = np.arange(int(partial.sum()), dtype=np.int32)
     G, nk = inp.group, classes.shape[2]
     bitmaps = np.zeros((int(partial.sum()), G, block_q, block_k), dtype=np.uint8)
-    probe = np.zeros(0)
+    probe = inp.geom.host_probe()
     for t in range(classes.shape[1]):
         rows_here = partial[:, t, :]  # (R, nk)
         if not rows_here.any():
             continue
         q0, q1 = t * block_q, min((t + 1) * block_q, inp.Lq)
-        b, h, qi, ki = tile_indices(probe, np.arange(inp.B), np.arange(inp.Hq), q0, q1, 0, nk * block_k)
-        band = np.broadcast_to(inp.mask.allowed(b, h, qi, np.minimum(ki, inp.Lk - 1), inp.geom),
-                               (inp.B, inp.Hq, q1 - q0, nk * block_k))
+        b, h, qi, _ = tile_indices(probe, np.arange(inp.B), np.arange(inp.Hq), q0, q1, 0, 1)
+        keys = np.minimum(np.arange(nk * block_k), inp.Lk - 1)  # the last tile's padding reads the last key
+        ki = _arrays.like(keys.reshape(1, 1, 1, -1), probe)  # (1, 1, 1, nk*bk)
+        allowed = _arrays.to_numpy(inp.mask.allowed(b, h, qi, ki, inp.geom))
+        band = np.broadcast_to(allowed, (inp.B, inp.Hq, q1 - q0, nk * block_k))
         # (B, Hkv, G, rows, nk, bk) -> (R, nk, G, rows, bk)
         tiles = band.reshape(inp.B, inp.Hkv, G, q1 - q0, nk, block_k).transpose(0, 1, 4, 2, 3, 5)
         tiles = tiles.reshape(inp.B * inp.Hkv, nk, G, q1 - q0, block_k)
