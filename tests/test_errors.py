@@ -117,6 +117,8 @@ BAD = [
                  id="torch-q-numpy-v"),
     pytest.param(tcall(k=TK.to("meta"), v=TV.to("meta")), ValueError,
                  r"q, k and v must be on one device; got cpu, meta, meta", id="different-devices"),
+    pytest.param(tcall(q=TQ.to("meta"), k=TK.to("meta"), v=TV.to("meta")), ValueError,
+                 r"\bq is on the meta device, which holds no values to attend over", id="all-meta"),
     # ---- scale ------------------------------------------------------------------------
     pytest.param(call(scale=float("nan")), ValueError, r"scale must be a finite real number .*got nan",
                  id="scale-nan"),
@@ -127,6 +129,8 @@ BAD = [
     pytest.param(call(scale=True), (TypeError, ValueError), r"scale must be a finite real number .*got True",
                  id="scale-bool"),
     pytest.param(call(scale=10**400), ValueError, r"scale must be a finite real number .*got 1000", id="scale-huge-int"),
+    pytest.param(call(scale=1e39), ValueError, r"scale must lie within float32's range .* for float32 inputs.*got 1e\+39",
+                 id="scale-past-float32"),
     pytest.param(call(scale=1j), (TypeError, ValueError), r"scale must be a finite real number .*got 1j",
                  id="scale-complex"),
     # ---- dropout and seed ---------------------------------------------------------------
@@ -296,6 +300,13 @@ BAD = [
     pytest.param(call(causal=True), TypeError, r"unexpected keyword argument 'causal'", id="unknown-option"),
     pytest.param(lambda: qkv.attention(Q, K, V, None, 0.5), TypeError, r"positional argument",
                  id="scale-positional"),
+    pytest.param(lambda: qkv.explain(TQ.clone().requires_grad_(True), TK, TK, qkv.dense_mask(np.ones((5, 6), bool))),
+                 TypeError, r"a dense mask or bias holds a NumPy array, and torch inputs record gradients",
+                 id="explain-numpy-mask-with-grad"),
+    pytest.param(lambda: qkv.causal(align="top_left").from_query(2.5), ValueError,
+                 r"offset must be a non-negative integer, got 2\.5", id="from-query-float"),
+    pytest.param(lambda: qkv.causal(align="top_left").from_query(-1), ValueError,
+                 r"offset must be a non-negative integer, got -1", id="from-query-negative"),
     pytest.param(lambda: qkv.explain(Q, K, V, backend="triton-x"), ValueError,
                  r"backend must be None or one of .*got 'triton-x'", id="explain-unknown-backend"),
     pytest.param(lambda: qkv.attention_weights(Q, arr(2, 2, 6, 7)), ValueError,
@@ -414,7 +425,7 @@ def test_mask_and_score_rule_errors_on_every_backend(make_rule, error, pattern, 
 @pytest.mark.parametrize("mask", [torch.ones(LQ, LK, dtype=torch.bool, device="meta"),
                                   torch.zeros(LQ, LK, device="meta")], ids=["bool", "float"])
 def test_a_mask_on_the_meta_device_is_refused_by_name(mask):
-    with pytest.raises(ValueError, match="a mask or bias on the meta device has no data to read"):
+    with pytest.raises(ValueError, match="mask is on the meta device, which holds no values to attend over"):
         qkv.attention(TQ, TK, TV, mask)
 
 

@@ -139,6 +139,19 @@ def test_masks(case):
         assert (w[~np.broadcast_to(allowed, w.shape)] == 0).all()
 
 
+def test_a_float32_bias_in_a_float64_module_is_widened_as_its_inputs_are(rng):
+    """float32 inputs to a float64 module are promoted, as NumPy promotes them; a float32 bias
+    is widened alike (lossless). It used to be refused as not of "q's dtype float64", a q
+    the caller never passed."""
+    mha = qkv.MultiHeadAttention(16, 4, rng=rng)
+    x = rng.standard_normal((2, 5, 16)).astype(np.float32)
+    bias = rng.standard_normal((5, 5)).astype(np.float32)
+    out, _ = mha(x, mask=bias)
+    want, _ = mha(x.astype(np.float64), mask=bias.astype(np.float64))
+    assert out.dtype == np.float64
+    np.testing.assert_array_equal(out, want)
+
+
 def test_query_that_sees_nothing_gives_bias_only():
     rng = np.random.default_rng(5)
     mha = MultiHeadAttention(8, 2, bias=True, rng=rng)

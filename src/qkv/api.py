@@ -149,6 +149,8 @@ def explain(q, k, v, mask=None, *, score_mod=None, scale=None, dropout_p=0.0, se
     inp = inputs.prepare(q, k, v, mask, score_mod=score_mod, scale=scale, dropout_p=dropout_p, seed=seed)
     inputs.refuse_trainable_rules(inp)
     choice = dispatch.choose(inp, backend, every_refusal=True)
+    if inp.needs_grad and choice.backend.rereads_rules:
+        inp.held_tensors()  # refuses NumPy arrays there, as the chosen backend's forward does
     mask_text = repr(inp.mask) if inp.dropped_mask is None else \
         f"{inp.dropped_mask!r} (allows every pair at these sizes: not applied)"
     shapes = (f"{inp.kind} {inp.dtype} on {inp.device}; q {tuple(q.shape)}, k {tuple(k.shape)}, "

@@ -668,10 +668,7 @@ def _validate(q, k, v, mask, scale, layout, stats) -> _Call:
     inputs.check_qkv(q, k, v)
     if not _arrays.is_torch(q):
         raise TypeError(f"ring_attention takes torch tensors (it runs on torch.distributed), got {type(q).__name__}")
-    for name, x in (("q", q), ("k", k), ("v", v)):  # check_qkv refused other layouts
-        if x.device.type == "meta":
-            raise TypeError(f"ring_attention takes tensors with data, got {name} on the meta device")
-    scale = inputs.check_scale(scale, q.shape[-1])
+    scale = inputs.check_scale(scale, q.shape[-1], inputs.dtype_name(q))
     per_rank = chunks_per_rank(layout)
     spec = _parse_mask(mask)
     for name, x in (("q", q), ("k", k)):

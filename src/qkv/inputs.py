@@ -162,9 +162,12 @@ def check_score_result(name, result, scores):
 
 
 def check_strided(name, x):
-    """A torch tensor of another layout (sparse, mkldnn) has no strides to read: named here, not
-    deep inside a backend."""
+    """A torch tensor of another layout (sparse, mkldnn) has no strides to read, and one on the
+    meta device no values: named here, not deep inside a backend."""
     torch = sys.modules.get("torch")
+    if _arrays.is_torch(x) and x.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device, which holds no values to attend over; "
+                         f"pass tensors with data")
     if _arrays.is_torch(x) and x.layout is not torch.strided:
         hint = f"pad it ({name}.to_padded_tensor) and mask the padding" if x.layout is torch.jagged else \
             f"pass {name}.to_dense()"
@@ -371,11 +374,17 @@ def check_seed_mask(mask, query, key):
         raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to (batch, seq_q, seq_k) = {target}")
 
 
-def check_scale(scale, head_dim):
+def check_scale(scale, head_dim, dtype="float64"):
+    """The scale as a float; past float32's range it would be inf in the float32 that lower
+    precisions compute in, and every score NaN."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
     if not _is_finite_real(scale):
         raise ValueError(f"scale must be a finite real number or None (1/sqrt(D)), got {scale!r}")
+    largest = float(np.finfo(np.float32).max)
+    if dtype != "float64" and abs(scale) > largest:
+        raise ValueError(f"scale must lie within float32's range (±{largest:.3g}) for {dtype} inputs, "
+                         f"which compute in float32; got {scale!r}")
     return float(scale)
 
 
@@ -451,7 +460,7 @@ def prepare(q, k, v, mask=None, *, score_mod=None, scale=None, dropout_p=0.0, se
     if kind == "torch" and not records_graph:
         _refuse_function_transforms()
     dtype = dtype_name(q)
-    scale = check_scale(scale, q.shape[-1])
+    scale = check_scale(scale, q.shape[-1], dtype)
     dropout_p, seed = check_dropout(dropout_p, seed)
     mask_obj, bias_mods = as_mask(mask, kind, dtype, records_graph)
     mods = bias_mods + as_score_mods(score_mod)

@@ -110,6 +110,7 @@ class Mask:
         """This mask for a call whose query i is position offset + i of the sequence the mask
         was written for (a step that continues a KV cache, as qkv's modules make): the rows
         [offset, offset + Lq) of the whole pass, evaluated at its sizes (offset + Lq queries)."""
+        offset = inputs.check_nonnegative_int("offset", offset)
         if offset == 0 or self._same_in_later_rows():
             return self
         return self._later_rows(offset)
@@ -573,8 +574,6 @@ class _DenseArray:
     """
 
     def __init__(self, array):
-        if _arrays.is_torch(array) and array.device.type == "meta":
-            raise ValueError("a mask or bias on the meta device has no data to read; give it real values")
         self.array = array
         self._fitted = (None, None, False)  # (Geometry, 4-D array, a view of self.array?), replaced as a whole
 

@@ -164,6 +164,7 @@ class AttentionCore:
         if cache is not None and k.dtype != cache.keys.dtype:  # torch's autocast narrowed the projections
             q, k, v = (x.to(cache.keys.dtype) for x in (q, k, v))  # (_check_cache refuses the rest): widened
         mask = _arrays.autocast_cast(mask, q)  # a float mask (bias) in the heads' dtype, under autocast
+        mask = _widened_bias(mask, q)
         if cache is not None:
             mask, score_mod = _with_causal(mask, score_mod, q, cache.length)
             k, v = cache.stage(k, v)  # (B, Hkv, length + Lq, depth): cached and new positions
@@ -271,6 +272,15 @@ def _projected_dtype(x, weight):
 def _check_batch_size(batch_size, actual):
     if batch_size is not None and batch_size != actual:
         raise ValueError(f"batch_size ({batch_size}) does not match the batch dim of x ({actual})")
+
+
+def _widened_bias(mask, q):
+    """A float NumPy mask (bias) widened to the heads' dtype, as NumPy's promotion widened the
+    projections (float32 inputs to a float64 module): lossless, where narrowing would not be."""
+    if (isinstance(mask, np.ndarray) and isinstance(q, np.ndarray) and mask.dtype.kind == "f"
+            and mask.dtype != q.dtype and np.can_cast(mask.dtype, q.dtype, "safe")):
+        return mask.astype(q.dtype)
+    return mask
 
 
 def _check_mask_array(mask):

@@ -29,6 +29,7 @@ class Backend:
     name = "?"
     caps: Capabilities
     automatic = True  # may `backend=None` pick it
+    rereads_rules = False  # its backward reads the mask's and biases' arrays again (inp.held_tensors)
 
     def missing(self) -> str | None:
         """Why this backend cannot run at all here (a library is missing), or None."""

@@ -100,6 +100,7 @@ class NativeBackend(Backend):
     name = "native"
     caps = Capabilities(kinds=("numpy", "torch"), devices=("cpu",), dtypes=("float32", "bfloat16"),
                         max_head_dim=256, gradients=True)
+    rereads_rules = True
 
     def __init__(self):
         self.num_threads = default_threads()  # fixed work split: results do not depend on it

@@ -216,6 +216,7 @@ class TorchBackend(Backend):
     name = "torch"
     caps = Capabilities(kinds=("torch",), devices=(), dtypes=("float64", "float32", "bfloat16", "float16"),
                         gradients=True, forward_ad=True, dropout=True)
+    rereads_rules = True
 
     def missing(self):
         try:
