@@ -551,16 +551,18 @@ def test_a_lazily_negated_bias_is_read_with_its_sign(backend):
     assert torch.equal(qkv.attention(q, k, v, negated, backend=backend), qkv.attention(q, k, v, -bias, backend=backend))
 
 
-@pytest.mark.parametrize("lq,dv,seed", [(4, 3, 1), (1, 1, 10)])
-def test_long_head_dims_sum_in_chains(lq, dv, seed):
-    """A head dim of 256 is summed as four chains of 64 products, each from zero: in one chain,
-    scores of std 25 rounded several times as much as the reference's dot products, and the
-    lse was off by 1.3e-5 where the rule allows 5.4e-6 (4 queries), by 7.7e-6 against 2.1e-6
-    (one query)."""
+@pytest.mark.parametrize("lq,d,dv,seed,scale", [(4, 256, 3, 1, None), (1, 256, 1, 10, None),
+                                                (9, 64, 8, 8, 0.3), (9, 64, 8, 11, 0.3)])
+def test_head_dims_sum_in_chains(lq, d, dv, seed, scale):
+    """The scores' products are summed in chains of 32, each from zero. In one chain along the
+    head dim the lse was off by 1.3e-5 where the rule allows 5.4e-6 (D = 256, 4 queries), by
+    7.7e-6 against 2.1e-6 (one query), and the output of 9 queries of D = 64 by 1.1e-5 against
+    6.7e-6 (seed 8) and 1.4e-5 against 9.5e-6 (seed 11)."""
     rng = np.random.default_rng(seed)
-    shapes = (1, 1, lq, 256), (1, 1, 122, 256), (1, 1, 122, dv)
-    arrays = [(rng.standard_normal(s) * 3).astype(np.float32) for s in shapes]
-    check_backend("native", arrays, [to64(x) for x in arrays], "float32")
+    shapes = (1, 1, lq, d), (1, 1, 122 if d == 256 else 300, d)
+    q, k = ((rng.standard_normal(s) * 3).astype(np.float32) for s in shapes)
+    v = (rng.standard_normal((1, 1, k.shape[2], dv)) * (3 if d == 256 else 1)).astype(np.float32)
+    check_backend("native", [q, k, v], [to64(x) for x in (q, k, v)], "float32", scale=scale)
 
 
 @pytest.mark.parametrize("scale", [0.0, -0.3])
