@@ -189,6 +189,17 @@ def test_materialize_of_a_mask_with_more_batch_rows_says_to_pass_batch():
     assert "pass batch=" not in str(error.value)
 
 
+@pytest.mark.parametrize("mask, size", [(qkv.prefix_lm([2]), 1), (qkv.document(np.zeros((1, 5), int)), 4),
+                                        (qkv.dense_mask(np.ones((4, 5), bool)), 4)])
+def test_errors_that_batch_or_heads_cannot_mend_carry_no_advice_to_pass_them(mask, size):
+    """A length or a sequence length that does not fit is the mask's own error: materialize
+    and to_string used to advise passing batch= or heads= for it too."""
+    for draw in (mask.materialize, mask.to_string):
+        with pytest.raises(ValueError) as error:
+            draw(size, size)
+        assert "pass batch" not in str(error.value) and "heads=" not in str(error.value)
+
+
 def test_to_string_draws_any_head_of_a_per_head_mask():
     mask = qkv.dense_mask(np.stack([np.eye(3, dtype=bool), np.ones((3, 3), bool)]))  # (H=2, Lq, Lk)
     assert mask.to_string(3, 3, head=0, heads=2).splitlines()[1:] == ["0 █··", "1 ·█·", "2 ··█"]

@@ -93,9 +93,14 @@ def check_lengths(name, lengths):
     return arr
 
 
+class SizeMismatch(ValueError):
+    """A mask's data sized for other batch rows or heads than it is evaluated for (materialize
+    and to_string then say how to give theirs)."""
+
+
 def check_lengths_fit(name, lengths, batch, limit, limit_name):
     if lengths.shape[0] != batch:
-        raise ValueError(f"{name} needs one entry per batch row ({batch}), got {lengths.shape[0]}")
+        raise SizeMismatch(f"{name} needs one entry per batch row ({batch}), got {lengths.shape[0]}")
     if batch and lengths.max() > limit:
         raise ValueError(f"{name} must be at most {limit_name} = {limit}, got {lengths.max()}")
 
@@ -107,7 +112,8 @@ def check_ids(name, ids):
 
 def check_ids_fit(name, ids, batch, length, length_name):
     if ids.shape != (batch, length) and ids.shape != (1, length):
-        raise ValueError(f"{name} must have shape (B, {length_name}) = ({batch}, {length}), got {ids.shape}")
+        error = SizeMismatch if ids.shape[1] == length else ValueError  # only the batch rows differ
+        raise error(f"{name} must have shape (B, {length_name}) = ({batch}, {length}), got {ids.shape}")
 
 
 def check_slopes(name, slopes):
@@ -193,7 +199,9 @@ def fit_dense(name, array, geom):
     fits_lead = len(lead) <= len(batch_shape) and all(
         s in (1, t) for s, t in zip(lead[::-1], batch_shape[::-1]))
     if not (fits_tail and fits_lead):
-        raise ValueError(f"{name} of shape {shape} does not broadcast to {expected}")
+        fits_lengths = all(s in (1, t) for s, t in zip(tail[1:], (geom.Lq, geom.Lk)))
+        error = SizeMismatch if fits_lengths else ValueError  # only the batch rows or heads differ
+        raise error(f"{name} of shape {shape} does not broadcast to {expected}")
     if math.prod(lead) == 1:
         return array.reshape((1,) + tail)
     full_lead = np.broadcast_shapes(lead, batch_shape) if len(lead) else batch_shape

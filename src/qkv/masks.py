@@ -180,7 +180,7 @@ class Mask:
         geom = Geometry(n_batch, n_heads, Lq, Lk, batch_shape or (1,))
         try:
             self.check(geom)
-        except ValueError as error:
+        except inputs.SizeMismatch as error:
             unset = [name for name, value in (("batch", batch), ("heads", heads)) if value is None]
             if unset:  # materialized for one batch row or head: the mask's data may hold more
                 one = " and one ".join(_WHAT[n] for n in unset)
@@ -209,7 +209,7 @@ class Mask:
             raise ValueError(f"head ({head}) must be less than heads ({n_heads})")
         try:
             grid = self.materialize(Lq, Lk, batch=rows, heads=n_heads)[batch, head]
-        except ValueError as error:
+        except inputs.SizeMismatch as error:
             unset = [name for name, value in (("batch_size", batch_size), ("heads", heads)) if value is None]
             if unset:  # drawn for batch + 1 rows and head + 1 heads: the mask's data may hold more
                 drawn = f"{rows} batch row{'s' * (rows > 1)} and {n_heads} head{'s' * (n_heads > 1)}"
