@@ -133,11 +133,11 @@ def test_mask_fn_dense_and_algebra():
     np.testing.assert_array_equal(dense.materialize(Lq, Lk), want_parity)
 
 
-@pytest.mark.parametrize("backend", [None, "torch", "native"])
+@pytest.mark.parametrize("backend", [None, "torch", "native", "reference"])
 def test_a_rule_written_with_torch_functions_runs_on_torch_inputs(backend):
-    """qkv evaluates a rule itself (tile classes, the native kernel's tile bitmaps) on index
-    arrays of the inputs' kind: a rule of torch functions for torch inputs used to fail there
-    with torch's TypeError on NumPy arrays, on every backend but the reference."""
+    """qkv evaluates a rule itself (tile classes, the native kernel's tile bitmaps, the
+    reference's upcast inputs) on index arrays of the inputs' kind: a rule of torch functions
+    for torch inputs used to fail there with torch's TypeError on NumPy arrays."""
     torch = pytest.importorskip("torch")
     if backend is not None and qkv.dispatch.REGISTRY[backend].missing():
         pytest.skip(qkv.dispatch.REGISTRY[backend].missing())
@@ -150,6 +150,16 @@ def test_a_rule_written_with_torch_functions_runs_on_torch_inputs(backend):
     torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
     stats = qkv.attention_stats(q, k, torch_rule)
     torch.testing.assert_close(stats.entropy, qkv.attention_stats(q, k, same_rule).entropy)
+
+
+def test_a_rule_for_the_other_kind_of_array_is_named_in_the_error():
+    """A rule written with NumPy methods gets torch tensors for torch inputs: the error says
+    which rule failed on what, not only torch's AttributeError."""
+    torch = pytest.importorskip("torch")
+    q = torch.randn(1, 2, 40, 16)
+    with pytest.raises(TypeError, match=r"mask_fn's rule failed on the index arrays it was given, torch tensors "
+                                        r"\(they are of the inputs' kind\): AttributeError: .*astype"):
+        qkv.attention(q, q, q, qkv.mask_fn(lambda b, h, qi, ki: (qi >= ki).astype(bool)))
 
 
 def test_head_dependent_rule():

@@ -598,3 +598,19 @@ def test_explain_counts_the_threads_a_data_loader_worker_runs(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     assert dispatch.REGISTRY["native"].call_threads() == 1
     assert qkv.explain(q, q, q, backend="native").workspace_bytes < everywhere
+
+
+def test_fake_tensors_are_left_to_the_torch_backend():
+    """A FakeTensor (torch.compile's tracing, shape inference) holds no memory: the native kernel
+    read its data pointer and crashed the process. It is refused there, and the torch backend,
+    which works on fake tensors, runs instead."""
+    torch = pytest.importorskip("torch")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.randn(1, 2, 8, 4)
+        report = qkv.explain(x, x, x, qkv.causal())
+        out = qkv.attention(x, x, x, qkv.causal())
+    assert report.backend == "torch"
+    assert "a tensor subclass (FakeTensor) whose memory the kernel cannot read" in str(report)
+    assert tuple(out.shape) == (1, 2, 8, 4)

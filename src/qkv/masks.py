@@ -554,7 +554,13 @@ class MaskFn(Mask):
         self.fn = inputs.check_callable("fn", fn)
 
     def allowed(self, b, h, qi, ki, geom):
-        return inputs.check_rule_result("mask_fn", self.fn(b, h, qi, ki), b, h, qi, ki)
+        try:
+            result = self.fn(b, h, qi, ki)
+        except (TypeError, AttributeError) as error:  # often a rule written for the other kind of array
+            given = "torch tensors" if _arrays.is_torch(qi) else "NumPy arrays"
+            raise TypeError(f"mask_fn's rule failed on the index arrays it was given, {given} (they are of the "
+                            f"inputs' kind): {type(error).__name__}: {error}") from error
+        return inputs.check_rule_result("mask_fn", result, b, h, qi, ki)
 
     def __repr__(self):
         return f"mask_fn({getattr(self.fn, '__name__', 'fn')})"

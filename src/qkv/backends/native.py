@@ -138,6 +138,13 @@ class NativeBackend(Backend):
             reasons.append("strides that are not whole elements (a field of a structured array)")
         if max(max(x.shape) for x in (inp.q, inp.k, inp.v)) > MAX_SIZE:
             reasons.append(f"a size above {MAX_SIZE} (the kernel counts in 32-bit ints)")
+        if inp.kind == "torch":
+            import torch
+
+            plain = (torch.Tensor, torch.nn.Parameter)
+            subclass = next((type(x) for x in (inp.q, inp.k, inp.v) if type(x) not in plain), None)
+            if subclass is not None:  # a FakeTensor has no memory: the kernel would read freed or no memory
+                reasons.append(f"a tensor subclass ({subclass.__name__}) whose memory the kernel cannot read")
         return reasons
 
     def on_amx(self, inp):

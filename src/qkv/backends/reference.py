@@ -23,8 +23,16 @@ def scores(inp, q, k):
     s = (q @ k.swapaxes(-1, -2)) * inp.scale  # (B, Hq, Lq, Lk)
     b, h, qi, ki = tile_indices(q, np.arange(inp.B), np.arange(inp.Hq), 0, inp.Lq, 0, inp.Lk)
     s = apply_score_mods(inp.score_mods, s, b, h, qi, ki, inp.geom)
-    allowed = None if inp.mask is None else inp.mask.allowed(b, h, qi, ki, inp.geom)
-    return s, allowed
+    return s, None if inp.mask is None else _allowed(inp, q)
+
+
+def _allowed(inp, q):
+    """The mask (B|1, H|1, Lq, Lk) as q's kind, its rules given index arrays of the inputs' kind
+    (torch ones for torch inputs, also where q was upcast to NumPy), as every backend gives them."""
+    like = q if _arrays.kind_of(q) == inp.kind else inp.geom.host_probe()
+    b, h, qi, ki = tile_indices(like, np.arange(inp.B), np.arange(inp.Hq), 0, inp.Lq, 0, inp.Lk)
+    allowed = inp.mask.allowed(b, h, qi, ki, inp.geom)
+    return allowed if like is q else _arrays.to_numpy(allowed)
 
 
 def softmax_with_lse(s, allowed):
