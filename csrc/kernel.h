@@ -1322,8 +1322,10 @@ struct BackwardPlan {
   const Backward& bw;
   int G, nq, nk, Dp, Dvp, bkp, n_max;
   bool decoding;  // the forward ran on the decoding path, which rounds scores its own way
-  // per (row, query tile): Q (n_max x Dp), dO (n_max x Dvp), lse, lse_lo and delta (n_max)
-  float *Q, *dO, *lse, *lse_lo, *delta;
+  // per (row, query tile): Q (n_max x Dp), dO (n_max x Dvp), lse, lse_lo and delta (n_max), and
+  // for bfloat16 on the decoding path Q in pair order (n_max x Dp), as that path reads it
+  float *Q, *dO, *lse, *lse_lo, *delta, *Q_pairs;
+  bool pairs() const { return decoding && bw.p.dtype == qkv::BF16; }
   // per (row, key tile): Kᵀ (Dp x bkp), Vᵀ (Dvp x bkp), K (bkp x Dp)
   float *Kt, *Vt, *K;
   int64_t q_tile(int r, int t) const { return int64_t(r) * nq + t; }
@@ -1332,10 +1334,11 @@ struct BackwardPlan {
 
 // A query tile's packed rows.
 struct QueryTile {
-  const float *Q, *dO, *lse, *lse_lo, *delta;
+  const float *Q, *dO, *lse, *lse_lo, *delta, *Q_pairs;
   QueryTile(const BackwardPlan& plan, int r, int t) {
     const int64_t at = plan.q_tile(r, t);
     Q = plan.Q + at * plan.n_max * plan.Dp;
+    Q_pairs = plan.pairs() ? plan.Q_pairs + at * plan.n_max * plan.Dp : nullptr;
     dO = plan.dO + at * plan.n_max * plan.Dvp;
     lse = plan.lse + at * plan.n_max;
     lse_lo = plan.lse_lo + at * plan.n_max;
@@ -1364,6 +1367,10 @@ void pack_query_item(void* ctx, int64_t rt) {
       delta[g * tl.rows + i] = plan.bw.delta[at];
     }
   }
+  if (!plan.pairs()) return;
+  float* pairs = const_cast<float*>(qt.Q_pairs);  // Dp = D on the decoding path
+  memcpy(pairs, Q, size_t(tl.n()) * p.D * 4);
+  for (int rr = 0; rr < tl.n(); ++rr) to_pair_order(pairs + int64_t(rr) * p.D, p.D);
 }
 
 void pack_key_item(void* ctx, int64_t rj) {
@@ -1379,25 +1386,23 @@ void pack_key_item(void* ctx, int64_t rj) {
 
 // S (n x bkp) = scale·Q·Kᵀ, rounded as the forward rounded it, so that P is rebuilt against
 // the lse of the same scores. The decoding path sums each q·k along the head dim in vector
-// lanes (bfloat16 ones in pair order, for which Q is copied to `pairs`); from the products'
-// sums instead, the lse was 7.6e-6 off them at scale 7 and dq broke the tolerance rule.
-inline void recompute_scores(const BackwardPlan& plan, const Tile& tj, const float* Q, const float* Kt, float* S,
-                             float* pairs) {
+// lanes (bfloat16 ones in pair order); from the products' sums instead, the lse was 7.6e-6
+// off them at scale 7 and dq broke the tolerance rule.
+inline void recompute_scores(const BackwardPlan& plan, const Tile& tj, const QueryTile& qt, const float* Kt,
+                             float* S) {
   const Problem& p = plan.bw.p;
   const int n = tj.n();
-  if (!plan.decoding) return gemm_scaled(n, plan.bkp, p.D, rows_of(Q, plan.Dp), Kt, plan.bkp, S, plan.bkp, p.scale);
-  if (p.dtype == qkv::F32) return scores_by_rows<float>(p, tj, n, Q, S, plan.bkp);  // Dp = D here
-  memcpy(pairs, Q, size_t(n) * p.D * 4);
-  for (int rr = 0; rr < n; ++rr) to_pair_order(pairs + int64_t(rr) * p.D, p.D);
-  scores_by_rows<uint16_t>(p, tj, n, pairs, S, plan.bkp);
+  if (!plan.decoding) return gemm_scaled(n, plan.bkp, p.D, rows_of(qt.Q, plan.Dp), Kt, plan.bkp, S, plan.bkp, p.scale);
+  if (p.dtype == qkv::F32) return scores_by_rows<float>(p, tj, n, qt.Q, S, plan.bkp);  // Dp = D here
+  scores_by_rows<uint16_t>(p, tj, n, qt.Q_pairs, S, plan.bkp);
 }
 
 // P = exp(S - lse - lse_lo) in S; dS = P ∘ (dP - delta) ∘ d(modifier) in dP. Kt/Vt are the tile's Kᵀ, Vᵀ.
 inline void probabilities_and_score_grads(const BackwardPlan& plan, const Tile& tj, const QueryTile& qt,
-                                          const float* Kt, const float* Vt, float* S, float* dP, float* pairs) {
+                                          const float* Kt, const float* Vt, float* S, float* dP) {
   const Problem& p = plan.bw.p;
   const int n = tj.n(), bkp = plan.bkp;
-  recompute_scores(plan, tj, qt.Q, Kt, S, pairs);
+  recompute_scores(plan, tj, qt, Kt, S);
   apply_rule(tj, S, bkp, 1);
   for (int rr = 0; rr < n; ++rr) fill(S + int64_t(rr) * bkp + tj.cols, bkp - tj.cols, NEG_INF);  // padding keys
   gemm(n, bkp, p.Dv, rows_of(qt.dO, plan.Dvp), Vt, bkp, dP, bkp, false);  // dP = dO·Vᵀ
@@ -1440,10 +1445,9 @@ inline void store_rows(qkv::DType dtype, void* base, int64_t first_row, int coun
 
 // Scratch of one thread for one (query tile, key tile) pair.
 struct PairScratch {
-  Buffer S, dP, pairs;  // pairs: Q in pair order, for bfloat16 on the decoding path
+  Buffer S, dP;
   explicit PairScratch(const BackwardPlan& plan)
-      : S(int64_t(plan.n_max) * plan.bkp), dP(int64_t(plan.n_max) * plan.bkp),
-        pairs(plan.decoding && plan.bw.p.dtype == qkv::BF16 ? int64_t(plan.n_max) * plan.Dp : 0) {}
+      : S(int64_t(plan.n_max) * plan.bkp), dP(int64_t(plan.n_max) * plan.bkp) {}
 };
 
 // The gradients one (query tile t, key tile j) pair of row r contributes: dQ_t += dS·K and,
@@ -1456,7 +1460,7 @@ inline void accumulate_pair(const BackwardPlan& plan, int r, int t, int j, PairS
   const int64_t at = plan.k_tile(r, j);
   QueryTile qt(plan, r, t);
   probabilities_and_score_grads(plan, tj, qt, plan.Kt + at * plan.Dp * bkp, plan.Vt + at * plan.Dvp * bkp, w.S.p,
-                                w.dP.p, w.pairs.p);
+                                w.dP.p);
   if (dQ) gemm(n, plan.Dp, tj.cols, rows_of(w.dP.p, bkp), plan.K + at * bkp * plan.Dp, plan.Dp, dQ, plan.Dp, true);
   // Pᵀ and dSᵀ are read in place as transposed operands (no copies)
   if (dV) gemm(tj.cols, plan.Dvp, n, transposed(rows_of(w.S.p, bkp)), qt.dO, plan.Dvp, dV, plan.Dvp, true);  // dV += Pᵀ·dO
@@ -1529,11 +1533,13 @@ void backward(const Backward& bw) {
   BackwardPlan plan{bw, G, cdiv(p.Lq, p.block_q), cdiv(p.Lk, p.block_k), round_up(p.D, W), round_up(p.Dv, W),
                     round_up(p.block_k, W), G * p.block_q, decoding_forward(p)};
   const int64_t rows = int64_t(p.B) * p.Hkv, q_tiles = rows * plan.nq, k_tiles = rows * plan.nk;
-  Buffer q_side(q_tiles * plan.n_max * (plan.Dp + plan.Dvp + 3));
+  const int q_planes = plan.pairs() ? 2 : 1;  // Q, and Q in pair order
+  Buffer q_side(q_tiles * plan.n_max * (q_planes * plan.Dp + plan.Dvp + 3));
   Buffer k_side(k_tiles * plan.bkp * (2 * plan.Dp + plan.Dvp));
   plan.Q = q_side.p, plan.dO = plan.Q + q_tiles * plan.n_max * plan.Dp;
   plan.lse = plan.dO + q_tiles * plan.n_max * plan.Dvp, plan.lse_lo = plan.lse + q_tiles * plan.n_max;
   plan.delta = plan.lse_lo + q_tiles * plan.n_max;
+  plan.Q_pairs = plan.delta + q_tiles * plan.n_max;
   plan.Kt = k_side.p, plan.Vt = plan.Kt + k_tiles * plan.Dp * plan.bkp;
   plan.K = plan.Vt + k_tiles * plan.Dvp * plan.bkp;
   qkv::parallel_for(q_tiles, threads, pack_query_item, &plan);
