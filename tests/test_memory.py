@@ -5,6 +5,7 @@ fresh subprocess that reports how much its peak resident memory grew during the 
 beyond the output it returns.
 """
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -12,6 +13,19 @@ import textwrap
 import pytest
 
 LIMIT = 64 * 2**20
+
+# glibc's mmap threshold, fixed: by default it rises to the size of each large block freed, after
+# which such blocks come from the heap and stay resident when freed, so the peak a call leaves
+# varies from run to run with what the allocator kept (46 to 118 MiB seen for one call).
+ALLOCATOR_RETURNS_LARGE_BLOCKS = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
+
+
+def run_measured(script: str, *args: str, timeout: int) -> dict:
+    """Run a measuring script in a fresh process; its last line of output, parsed as JSON."""
+    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
+                          timeout=timeout, env=ALLOCATOR_RETURNS_LARGE_BLOCKS)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 SCRIPT = textwrap.dedent("""
     import json, sys
@@ -43,10 +57,7 @@ def test_long_sequence_stays_linear_in_memory(kind, mask):
     if kind == "torch":
         pytest.importorskip("torch")
     L = 65536
-    result = subprocess.run([sys.executable, "-c", SCRIPT, kind, str(L), mask], capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = run_measured(SCRIPT, kind, str(L), mask, timeout=600)
     assert report["shape"] == [1, L, 64] and report["finite"]
     assert report["backend"] != "reference"
     assert report["grown"] < LIMIT, f"{kind} via {report['backend']}: peak grew by {report['grown'] / 2**20:.1f} MiB"
@@ -176,12 +187,10 @@ def test_explain_counts_the_torch_backends_mask_temporaries():
     """A user's rule on every tile: explain counted no mask at all for the torch backend (26 MiB
     said, 74 MiB grown); it must now say most of what the call holds."""
     pytest.importorskip("torch")
-    done = subprocess.run([sys.executable, "-c", TORCH_MASK_SCRIPT], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = run_measured(TORCH_MASK_SCRIPT, timeout=300)
     if report["how"] != "peak resident set":
         pytest.skip("needs Linux's peak counters (torch's allocations are not traced)")
-    assert report["said"] >= 0.6 * report["grown"], report
+    assert report["said"] >= 0.8 * report["grown"], report
 
 
 BIAS_SCRIPT = textwrap.dedent("""
@@ -210,7 +219,5 @@ def test_a_broadcast_bfloat16_bias_is_read_in_place():
 
     if dispatch.REGISTRY["native"].missing():
         pytest.skip(dispatch.REGISTRY["native"].missing())
-    result = subprocess.run([sys.executable, "-c", BIAS_SCRIPT], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr
-    grown = json.loads(result.stdout.strip().splitlines()[-1])["grown"]
+    grown = run_measured(BIAS_SCRIPT, timeout=600)["grown"]
     assert grown < 16 * 2**20, f"peak grew by {grown / 2**20:.1f} MiB"
