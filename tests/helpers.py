@@ -7,6 +7,11 @@ same (t-rounded) inputs.
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import numpy as np
 
 import qkv
@@ -174,3 +179,17 @@ def use_small_tiles(patch, block_q: int, block_k: int):
     patch.setattr(dispatch.REGISTRY["numpy"], "block_q", block_q)
     patch.setattr(dispatch.REGISTRY["numpy"], "block_k", block_k)
     patch.setattr(torch_backend, "choose_blocks", lambda rows, group, Lq, Lk: (min(block_q, Lq), min(block_k, Lk)))
+
+
+# glibc's mmap threshold, fixed: by default it rises to the size of each large block freed, after
+# which such blocks come from the heap and stay resident when freed, so the peak a call leaves
+# varies from run to run with what the allocator kept (46 to 118 MiB seen for one call).
+ALLOCATOR_RETURNS_LARGE_BLOCKS = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
+
+
+def run_measured(script: str, *args: str, timeout: int) -> dict:
+    """Run a measuring script in a fresh process; its last line of output, parsed as JSON."""
+    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
+                          timeout=timeout, env=ALLOCATOR_RETURNS_LARGE_BLOCKS)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -4,28 +4,13 @@ The plain formula would hold a 65536 x 65536 float32 matrix (16 GiB). Each run h
 fresh subprocess that reports how much its peak resident memory grew during the call,
 beyond the output it returns.
 """
-import json
-import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
+from helpers import run_measured
 
 LIMIT = 64 * 2**20
-
-# glibc's mmap threshold, fixed: by default it rises to the size of each large block freed, after
-# which such blocks come from the heap and stay resident when freed, so the peak a call leaves
-# varies from run to run with what the allocator kept (46 to 118 MiB seen for one call).
-ALLOCATOR_RETURNS_LARGE_BLOCKS = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
-
-
-def run_measured(script: str, *args: str, timeout: int) -> dict:
-    """Run a measuring script in a fresh process; its last line of output, parsed as JSON."""
-    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
-                          timeout=timeout, env=ALLOCATOR_RETURNS_LARGE_BLOCKS)
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 SCRIPT = textwrap.dedent("""
     import json, sys

@@ -5,13 +5,12 @@ Every statistic is compared with the same statistic computed from the explicit m
 grouped-query heads, with small tiles (so that EMPTY, PARTIAL and FULL tiles all occur)
 and with the default ones.
 """
-import json
-import subprocess
 import sys
 import textwrap
 
 import numpy as np
 import pytest
+from helpers import run_measured
 
 import qkv
 from qkv import stats as stats_module
@@ -444,9 +443,7 @@ SCRIPT = textwrap.dedent("""
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the peak memory from /proc (Linux)")
 def test_65536_tokens_stay_under_64_mib():
     L = 65536  # one head; its float32 weights would take 16 GiB
-    result = subprocess.run([sys.executable, "-c", SCRIPT, str(L)], capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = run_measured(SCRIPT, str(L), timeout=900)
     assert report["finite"] and report["entropy_max"] <= np.log(L)
     assert abs(report["received"] - L) < 1e-3 * L  # every row's weights sum to 1
     assert report["grown"] < LIMIT, f"peak memory grew by {report['grown'] / 2**20:.1f} MiB"
