@@ -145,7 +145,11 @@ def _human(n: int) -> str:
 
 def explain(q, k, v, mask=None, *, score_mod=None, scale=None, dropout_p=0.0, seed=None, backend=None) -> Report:
     """Which backend `attention` would run for these arguments, why the others were refused,
-    and the extra memory it will use. Raises like `attention` would."""
+    and the extra memory it will use. Raises like `attention` would.
+
+    Takes `attention`'s arguments (q (..., Hq, Lq, D), k (..., Hkv, Lk, D), v (..., Hkv, Lk, Dv),
+    mask, modifiers) and runs nothing; returns a `Report`, whose str() is the explanation.
+    """
     inp = inputs.prepare(q, k, v, mask, score_mod=score_mod, scale=scale, dropout_p=dropout_p, seed=seed)
     inputs.refuse_trainable_rules(inp)
     choice = dispatch.choose(inp, backend, every_refusal=True)

@@ -846,18 +846,28 @@ class Bias(_DenseArray, ScoreMod):
 
 
 def alibi(slopes) -> ScoreMod:
-    """ALiBi: adds -slopes[h] * |i' - j| (i' = i + Lk - Lq) to every score."""
+    """ALiBi: adds -slopes[h] * |i' - j| (i' = i + Lk - Lq) to every score.
+
+    slopes: (Hq,), one finite number per query head (``qkv.positional.alibi_slopes(Hq)``
+    gives the usual ones). Slopes that require grad are for ``attention_weights`` only:
+    ``attention`` refuses them while gradients are recorded.
+    """
     return Alibi(slopes)
 
 
 def softcap(cap) -> ScoreMod:
-    """Soft capping: s -> cap * tanh(s / cap), applied to the scaled scores."""
+    """Soft capping: s -> cap * tanh(s / cap), applied to the scaled scores (..., Hq, Lq, Lk).
+
+    cap: a positive float within float32's normal range; masked scores (-inf) stay masked.
+    """
     return Softcap(cap)
 
 
 def score_fn(fn) -> ScoreMod:
     """Any vectorised rule ``fn(score, b, h, qi, ki) -> new score`` (NumPy or torch ops).
 
+    score is a block of the scaled scores, broadcastable to (B, Hq, Lq, Lk); b, h, qi and ki
+    are index arrays that broadcast against it (batch, query head, query and key positions).
     The answer is a floating array that broadcasts to the scores' shape (a rule of the
     positions alone may return (Lq, Lk)). No gradient flows to tensors the rule reads: with
     autograd recording, a rule that reads tensors requiring grad is refused.
