@@ -15,6 +15,20 @@ def test_info_lists_every_backend_and_why(capsys):
     for name in dispatch.REGISTRY:
         assert name in text
     assert "never automatic" in text and "numpy" in text
+    assert "head dims up to 256, score modifiers alibi, bias, softcap (each once, softcap last)" in text  # native
+
+
+def test_a_backends_declared_score_modifiers_are_what_it_refuses_by():
+    """The native kernel declares the modifiers it applies inline; explain refuses it the others by name."""
+    import numpy as np
+
+    import qkv
+
+    q = np.zeros((1, 2, 8, 16), np.float32)
+    report = qkv.explain(q, q, q, score_mod=qkv.score_fn(lambda s, b, h, i, j: s))
+    assert "the native kernel applies alibi, bias, softcap inline, not score_fn" in report.refused["native"]
+    twice = qkv.explain(q, q, q, score_mod=[qkv.softcap(5.0), qkv.alibi([1.0, 2.0])])
+    assert "the native kernel applies each of alibi, bias, softcap at most once, softcap last" in twice.refused["native"]
 
 
 def test_check_passes(capsys):

@@ -31,8 +31,20 @@ def cmd_info(args) -> int:
         print(f"  {name:<10} {state}{auto}")
         devices = f" on {'/'.join(caps.devices)}" if caps.devices else ""
         print(f"  {'':<10} arrays {'/'.join(caps.kinds)}{devices}, dtypes {', '.join(caps.dtypes)}, "
-              f"grad {'yes' if caps.gradients else 'no'}, dropout {'yes' if caps.dropout else 'no'}")
+              f"grad {'yes' if caps.gradients else 'no'}, dropout {'yes' if caps.dropout else 'no'}"
+              f"{_limits(caps)}")
+    print("qkv.explain(q, k, v, ...) says which backend runs a given call and why the others do not.")
     return 0
+
+
+def _limits(caps) -> str:
+    """The declared limits beyond kinds, dtypes, grad and dropout."""
+    head_dims = f", head dims up to {caps.max_head_dim}" if caps.max_head_dim else ""
+    if caps.inline_mods is None:
+        return head_dims
+    from qkv.backends.base import mod_names
+
+    return f"{head_dims}, score modifiers {mod_names(caps.inline_mods)} (each once, softcap last)"
 
 
 def cmd_check(args) -> int:

@@ -16,7 +16,9 @@ class Capabilities:
     devices: tuple  # device types ("cpu", "cuda"); empty means any
     dtypes: tuple
     max_head_dim: int | None = None
-    masks: bool = True  # every mask and score modifier of the language
+    # score modifiers a kernel applies inline, each at most once and softcap last; None: any,
+    # in any order and number
+    inline_mods: tuple | None = None
     gradients: bool = False  # torch autograd through it
     forward_ad: bool = False  # carries torch.autograd.forward_ad tangents through
     dropout: bool = False
@@ -59,8 +61,8 @@ class Backend:
             reasons.append("no forward-mode derivative (these inputs carry tangents)")
         if inp.dropout_p > 0 and not caps.dropout:
             reasons.append("no dropout")
-        if (inp.mask is not None or inp.score_mods) and not caps.masks:
-            reasons.append("no masks or score modifiers")
+        if caps.inline_mods is not None:
+            reasons += inline_score_mod_reasons(inp, caps.inline_mods, f"the {self.name} kernel")
         return reasons + self.extra_reasons(inp)
 
     def extra_reasons(self, inp) -> list[str]:
@@ -198,16 +200,20 @@ def inline_score_mod_reasons(inp, inline_kinds: tuple, who: str) -> list[str]:
     if not inp.score_mods:
         return []
     kinds = [type(m) for m in inp.score_mods]
-    names = lambda ks: ", ".join(_MOD_NAMES.get(k, k.__name__) for k in ks)  # noqa: E731
     others = [k for k in kinds if k not in inline_kinds]
     if others:
-        return [f"{who} applies {names(inline_kinds)} inline, not {names(others)}"]
+        return [f"{who} applies {mod_names(inline_kinds)} inline, not {mod_names(others)}"]
     if len(set(kinds)) != len(kinds) or (Softcap in kinds and kinds.index(Softcap) != len(kinds) - 1):
-        return [f"{who} applies each of {names(inline_kinds)} at most once, softcap last"]
+        return [f"{who} applies each of {mod_names(inline_kinds)} at most once, softcap last"]
     return []
 
 
 _MOD_NAMES = {Alibi: "alibi", Bias: "bias", Softcap: "softcap", ScoreFn: "score_fn"}
+
+
+def mod_names(kinds) -> str:
+    """Score modifier classes as their constructors' names: 'alibi, softcap'."""
+    return ", ".join(_MOD_NAMES.get(k, k.__name__) for k in kinds)
 
 
 def key_intervals(mask, inp):

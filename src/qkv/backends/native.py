@@ -21,7 +21,7 @@ from .. import _arrays
 from .._threads import available_cpus
 from ..masks import PARTIAL, Alibi, Bias, IntervalMask, Softcap, tile_indices
 from . import base
-from .base import (Backend, Capabilities, autograd_attention, cdiv, inline_score_mod_reasons, key_intervals,
+from .base import (Backend, Capabilities, autograd_attention, cdiv, key_intervals,
                    row_tile_classes, saved_output_bytes, softmax_delta, tile_workspace)
 
 def _extension_file_exists() -> bool:
@@ -99,7 +99,7 @@ def in_data_loader_worker() -> bool:
 class NativeBackend(Backend):
     name = "native"
     caps = Capabilities(kinds=("numpy", "torch"), devices=("cpu",), dtypes=("float32", "bfloat16"),
-                        max_head_dim=256, gradients=True)
+                        max_head_dim=256, gradients=True, inline_mods=(Alibi, Bias, Softcap))
     rereads_rules = True
 
     def __init__(self):
@@ -133,7 +133,7 @@ class NativeBackend(Backend):
         return self.num_threads
 
     def extra_reasons(self, inp):
-        reasons = inline_score_mod_reasons(inp, (Alibi, Bias, Softcap), "the native kernel")
+        reasons = []
         if inp.kind == "numpy" and any(s % x.itemsize for x in (inp.q, inp.k, inp.v) for s in x.strides):
             reasons.append("strides that are not whole elements (a field of a structured array)")
         if max(max(x.shape) for x in (inp.q, inp.k, inp.v)) > MAX_SIZE:

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..masks import And, Alibi, Causal, Document, IntervalMask, Softcap
-from .base import (Backend, Capabilities, autograd_attention, cdiv, clip_intervals, inline_score_mod_reasons,
-                   key_intervals, saved_output_bytes, softmax_delta)
+from .base import (Backend, Capabilities, autograd_attention, cdiv, clip_intervals, key_intervals, saved_output_bytes,
+                   softmax_delta)
 
 
 def interpreting() -> bool:
@@ -41,7 +41,7 @@ class TritonBackend(Backend):
     name = "triton"
 
     caps = Capabilities(kinds=("torch",), devices=("cuda",), dtypes=("float32", "bfloat16", "float16"),
-                        max_head_dim=256, gradients=True)
+                        max_head_dim=256, gradients=True, inline_mods=(Alibi, Softcap))
 
     def accepts_device(self, device_type):
         return device_type == "cuda" or (device_type == "cpu" and interpreting())
@@ -65,8 +65,7 @@ class TritonBackend(Backend):
         return super().automatic_refusal(inp)
 
     def extra_reasons(self, inp):
-        return (_mask_reasons(inp) + inline_score_mod_reasons(inp, (Alibi, Softcap), "the triton kernel")
-                + _grid_reasons(inp) + _bfloat16_reasons(inp))
+        return _mask_reasons(inp) + _grid_reasons(inp) + _bfloat16_reasons(inp)
 
     def forward(self, inp):
         call = _Call(inp, _plan_masks(inp))
