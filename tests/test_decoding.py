@@ -82,6 +82,28 @@ def test_gradients_reach_every_decoding_step():
         assert cache.keys is keys and not keys.requires_grad
 
 
+def test_a_trainable_query_projection_alone_gets_the_gradient_of_one_causal_pass():
+    """Keys and values frozen, the query projection trained: autograd saves views of the cache
+    for the queries' gradient, so each step must write a new version (in place, the backward
+    failed: a saved tensor had been modified)."""
+    torch = pytest.importorskip("torch")
+    mha, _, _ = make("torch", num_kv_heads=2)
+    for name in ("W_k", "b_k", "W_v", "b_v"):
+        getattr(mha, name).requires_grad_(False)
+    x = torch.tensor(np.random.default_rng(7).standard_normal((1, 5, D_MODEL)))
+
+    def query_gradients(outputs):
+        mha.zero_grad()
+        torch.cat(outputs, dim=1).square().sum().backward()
+        return mha.W_q.grad.clone(), mha.b_q.grad.clone()
+
+    full = query_gradients([mha(x, mask=qkv.causal())[0]])
+    cache = mha.init_cache(1, 5)
+    steps = query_gradients([mha(x[:, t:t + 1], cache=cache, need_weights=t == 2)[0] for t in range(5)])
+    for got, want in zip(steps, full):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
 def test_a_reset_cache_records_the_next_sequence_afresh():
     """After a recorded sequence and its backward, reset() and a second recorded sequence: its
     backward gives what a fresh cache's does (it used to backward into the first graph)."""
@@ -406,17 +428,19 @@ def test_torch_decoding_under_autocast_keeps_the_caches_dtype():
     torch.testing.assert_close(torch.cat(outs, dim=1), want)  # bfloat16: one rounding apart at most
 
 
-@pytest.mark.parametrize("modes", ["gin", "ggin", "grn", "gnin"])
-def test_grad_no_grad_and_inference_mode_steps_mix(modes):
+@pytest.mark.parametrize("made_in", ["grad", "inference_mode"])
+@pytest.mark.parametrize("modes", ["gin", "ggin", "grn", "gnin", "inn", "ing"])
+def test_grad_no_grad_and_inference_mode_steps_mix(modes, made_in):
     """Steps under autograd (g), no_grad (n) and inference_mode (i), and reset() under
     inference_mode (r): every sequence runs, each step equals the causal pass over the tokens so
     far (a new version of the cache made under inference_mode used to be an inference tensor,
-    which the next step outside it could not write)."""
+    which the next step outside it could not write; so did a cache made by init_cache there)."""
     torch = pytest.importorskip("torch")
     mha, _, _ = make("torch", num_kv_heads=2)
     x = torch.tensor(np.random.default_rng(6).standard_normal((2, len(modes), D_MODEL)))
     modes_of = {"g": torch.enable_grad, "n": torch.no_grad, "i": torch.inference_mode}
-    cache, start = mha.init_cache(2, len(modes)), 0
+    with torch.inference_mode(made_in == "inference_mode"):
+        cache, start = mha.init_cache(2, len(modes)), 0
     for mode in modes:
         if mode == "r":
             with torch.inference_mode():

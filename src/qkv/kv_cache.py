@@ -30,7 +30,7 @@ class KVCache:
     Create one with ``module.init_cache(batch_size, max_len)``. Writing happens in two
     steps, ``stage`` then ``commit``, so a call that fails in between leaves the cache as
     it was. The arrays are written in place, except while torch records gradients through
-    the new keys or values: then each call makes new arrays (a copy of max_len positions),
+    the new keys, values or queries: then each call makes new arrays (a copy of max_len positions),
     so a backward reaches every step. Decode under ``torch.no_grad()`` unless you need that.
     The arrays keep the dtype they were made with (the module's): new keys and values must
     have it, as they are never cast (the modules refuse a query that would need a cast).
@@ -58,7 +58,8 @@ class KVCache:
                  inputs.check_positive_int("num_kv_heads", num_kv_heads),
                  inputs.check_positive_int("max_len", max_len),
                  inputs.check_positive_int("depth", depth))
-        return cls(_zeros(shape, like), _zeros(shape, like))
+        with _normal_tensors(like):  # made under inference_mode too, a later step may write them
+            return cls(_zeros(shape, like), _zeros(shape, like))
 
     @property
     def batch_size(self) -> int:
@@ -68,10 +69,12 @@ class KVCache:
     def max_len(self) -> int:
         return self.keys.shape[2]
 
-    def stage(self, k, v):
+    def stage(self, k, v, queries=None):
         """Write new keys/values (B, Hkv, n, depth) after the filled positions, without committing.
 
         Returns views (B, Hkv, length + n, depth) of the keys and values to attend over.
+        queries: what will attend over them, if autograd may record through it (a trainable
+        query projection alone makes autograd save the cache's views).
         """
         self._check_new(k, v)
         n = k.shape[2]
@@ -80,7 +83,7 @@ class KVCache:
                              f"{self.length} are filled and this call adds {n}; "
                              "create it with a larger max_len (module.init_cache(batch_size, max_len))")
         end = self.length + n
-        if _new_version(k, v, self.keys):  # graphs of earlier steps keep theirs
+        if _new_version((k, v, queries), self.keys):  # graphs of earlier steps keep theirs
             with _normal_tensors(self.keys):
                 self.keys = self.keys.slice_scatter(k, dim=2, start=self.length, end=end)
                 self.values = self.values.slice_scatter(v, dim=2, start=self.length, end=end)
@@ -132,14 +135,15 @@ class KVCache:
         return f"KVCache(batch_size={B}, num_kv_heads={H}, depth={depth}, length={self.length}, max_len={T})"
 
 
-def _new_version(k, v, keys) -> bool:
+def _new_version(arrays, keys) -> bool:
     """Whether this write must make a new version of the cache rather than write in place:
     where a recorded graph holds the cache (a step under no_grad after recorded ones too), or
-    where autograd records this write. In place, it would change what earlier steps' graphs
-    saved, and torch's backward refuses that."""
+    where autograd records through any of `arrays` (the new keys and values, the queries),
+    whose graph then saves views of the cache. In place, the next write would change what
+    that graph saved, and torch's backward refuses that."""
     if not _arrays.is_torch(keys):
         return False
-    return keys.requires_grad or (_arrays.grad_enabled() and (k.requires_grad or v.requires_grad))
+    return keys.requires_grad or (_arrays.grad_enabled() and any(x is not None and x.requires_grad for x in arrays))
 
 
 def _normal_tensors(keys):

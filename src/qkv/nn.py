@@ -167,7 +167,7 @@ class AttentionCore:
         mask = _widened_bias(mask, q)
         if cache is not None:
             mask, score_mod = _with_causal(mask, score_mod, q, cache.length)
-            k, v = cache.stage(k, v)  # (B, Hkv, length + Lq, depth): cached and new positions
+            k, v = cache.stage(k, v, q)  # (B, Hkv, length + Lq, depth): cached and new positions
         heads = attention(q, k, v, mask, score_mod=score_mod, dropout_p=dropout_p)  # (B, Hq, Lq, depth)
         weights = attention_weights(q, k, mask, score_mod=score_mod) if need_weights else None
         if cache is not None:
