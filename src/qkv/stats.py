@@ -16,11 +16,12 @@ Shape legend:
 
 Every statistic equals the same statistic computed from ``qkv.attention_weights`` (same
 masks, score modifiers and grouped-query heads), up to rounding. The weights are rebuilt
-from each row's lse, as the backward of FlashAttention does; in float32 one more pass first
+from each row's lse, as the backward of FlashAttention does; one more pass first
 renormalises them against the scores computed here (whose rounding differs from the kernel's,
-and a float32 lse is itself rounded by |lse|·6e-8), so they sum to 1 and the statistics keep
-the plain formula's precision at large scores too (that pass took NumPy inputs of 8 heads x
-2048 from 0.48-0.54 s to 0.66-0.87 s on 2 CPUs, paired runs). Inputs in float64 are worked in float64,
+and an lse is itself rounded by |lse| times the dtype's epsilon), so they sum to 1 and the
+statistics keep the plain formula's precision at large scores too (that pass took float32
+NumPy inputs of 8 heads x 2048 from 0.48-0.54 s to 0.66-0.87 s on 2 CPUs, paired runs; float64
+ones broke the rule without it only at scores of std 2000). Inputs in float64 are worked in float64,
 the other dtypes in float32; NumPy in, NumPy out; torch in, torch out (same device, no gradient).
 """
 from __future__ import annotations
@@ -92,13 +93,14 @@ def attention_stats(q, k, mask=None, topk=0, *, score_mod=None, scale=None) -> A
     >>> s.entropy.shape, s.topk_indices.shape          # (..., Hq, Lq), (..., Hq, Lq, 3)
     """
     inputs.check_qkv(q, k, k, names=("q", "k"))  # errors name q and k only: the values below are made from k
-    inp = inputs.prepare(q, k, _dummy_values(k), mask, score_mod=score_mod, scale=scale)
-    topk = inputs.check_nonnegative_int("topk", topk)
-    if topk > inp.Lk:
-        raise ValueError(f"topk ({topk}) must be at most the number of keys Lk ({inp.Lk})")
-    with _no_grad(inp.kind), _arrays.autocast_off(inp.q):
-        lse = _row_lse(q, k, mask, score_mod, inp)  # (B, Hq, Lq)
-        stats = _Streamer(inp, lse, topk).run()  # on (B, Hq, ...)
+    with _no_grad(_arrays.kind_of(q)):  # no gradient: a bias that requires grad is read as a constant
+        inp = inputs.prepare(q, k, _dummy_values(k), mask, score_mod=score_mod, scale=scale)
+        topk = inputs.check_nonnegative_int("topk", topk)
+        if topk > inp.Lk:
+            raise ValueError(f"topk ({topk}) must be at most the number of keys Lk ({inp.Lk})")
+        with _arrays.autocast_off(inp.q):
+            lse = _row_lse(q, k, mask, score_mod, inp)  # (B, Hq, Lq)
+            stats = _Streamer(inp, lse, topk).run()  # on (B, Hq, ...)
     return _caller_shapes(stats, inp)
 
 
@@ -206,16 +208,20 @@ class _Streamer:
     def run(self) -> AttentionStats:
         inp = self.inp
         B, Hq, Lq, Lk = inp.B, inp.Hq, inp.Lq, inp.Lk
-        res = AttentionStats(self._full((B, Hq, Lq)), self._full((B, Hq, Lq)), None, self.lse)
+        # entropy and received sum a part per tile: in float64, as float32 sums over many key
+        # tiles drift (entropy of a uniform row of 131072 keys off by 3.4e-5, the plain
+        # formula's by 1.5e-6)
+        res = AttentionStats(self._full((B, Hq, Lq), dtype="float64"), self._full((B, Hq, Lq)), None, self.lse)
         if self.topk:
             res.topk_indices = self._full((B, Hq, Lq, self.topk), -1, "int64")
             res.topk_weights = self._full((B, Hq, Lq, self.topk), -1.0)  # -1: below any weight
         starts = list(range(0, Lq, self.block_q))
         chunks = _split(list(enumerate(starts)), _workers(inp, len(starts)))
-        received = [self._full((B, Hq, Lk)) for _ in chunks]  # (B, Hq, Lk) per worker
+        received = [self._full((B, Hq, Lk), dtype="float64") for _ in chunks]  # (B, Hq, Lk) per worker
         work = lambda i: [self._query_tile(res, received[i], t, q0) for t, q0 in chunks[i]]  # noqa: E731
         parallel_map(work, range(len(chunks)))  # one chunk (no threads) for torch, see _workers
-        res.received = sum(received[1:], received[0])
+        res.received = _arrays.astype(sum(received[1:], received[0]), self.cdt)
+        res.entropy = _arrays.astype(res.entropy, self.cdt)
         if self.topk:
             res.topk_weights = self.xp.where(res.topk_indices < 0, 0.0, res.topk_weights)
         return res
@@ -245,12 +251,28 @@ class _Streamer:
             new_top = tile_top if top is None else xp.maximum(top, tile_top)
             shift = xp.where(xp.isfinite(new_top), new_top, 0.0)  # rows with nothing allowed yet
             rescale = 0.0 if top is None else xp.exp(top - shift)
-            total = total * rescale + xp.exp(s - shift).sum(-1)[..., None]
+            # summed over the key tiles in float64: in float32 a row of many keys drifts, and
+            # every weight with it (entropy of a near-uniform row of 32768 keys off by 4e-6)
+            total = total * rescale + _arrays.astype(xp.exp(s - shift).sum(-1)[..., None], "float64")
             top = new_top
         if top is None:
             return 0.0
         with np.errstate(divide="ignore", invalid="ignore"):
             return xp.where(total > 0, xp.where(xp.isfinite(top), top, 0.0) + xp.log(total), 0.0)  # no key: 0
+
+    def _renormalisation(self, log_sums):
+        """(shift of the log-weights, factor of the weights) that renormalise by log_sums.
+
+        A small log_sums goes into the factor: a shift of the logs by it would be lost in
+        float32, whose logs near -log(Lk) are rounded to |log w|·6e-8, the same way for every
+        key of a near-uniform row (entropy of 5000 such keys off by 3.5e-6). A large one is a
+        shift: as a factor, it would overflow or underflow.
+        """
+        if isinstance(log_sums, float):  # no key tile: nothing to renormalise
+            return 0.0, 1.0
+        xp = self.xp
+        shift = xp.where(xp.abs(log_sums) > 1, log_sums, 0.0)
+        return shift, _arrays.astype(xp.exp(shift - log_sums), self.cdt)
 
     def _query_tile(self, res, received, t: int, q0: int):
         """Every key tile against the query rows [q0, q0 + block_q)."""
@@ -259,16 +281,19 @@ class _Streamer:
         q = _arrays.astype(inp.q[:, :, q0:q1], self.cdt)  # (B, Hq, bq, D)
         qi = np.arange(q0, q1)
         lse = self.safe_lse[:, :, q0:q1]  # (B, Hq, bq, 1)
-        log_sums = self._log_sums(t, q, qi, lse) if self.cdt != "float64" else 0.0  # float64: exact enough
+        log_sums = self._log_sums(t, q, qi, lse)
         entropy, best, top = res.entropy[:, :, q0:q1], None, None  # entropy: a view, summed into
         if self.topk:
             top = (res.topk_weights[:, :, q0:q1], res.topk_indices[:, :, q0:q1])
+        shift, norm = self._renormalisation(log_sums)
         for k0, k1, kind, z in self._key_tiles(t, q, qi):
-            z -= lse  # log of the weights, in place
-            z -= log_sums
+            z -= lse  # log of the weights before renormalising, in place
+            z -= shift
+            w = xp.exp(z)  # (B, Hq, bq, bk) the weights of this tile
+            w *= norm
+            z -= log_sums - shift  # log of the weights
             tile_best = _amax(z, -1)  # (B, Hq, bq)
             best = tile_best if best is None else xp.maximum(best, tile_best)
-            w = xp.exp(z)  # (B, Hq, bq, bk) the weights of this tile
             received[:, :, k0:k1] += w.sum(-2)
             if top is not None:
                 top = _merge_topk(top, w, z, k0)
