@@ -489,6 +489,8 @@ def test_disagreements_are_shown_as_values():
     (lambda: qd.unshard([torch.zeros(1, 3, 4)] * 2, "zigzag"), r"shape\[-2\] = 3\) must be divisible by 2"),
     (lambda: qd.unshard([]), "shards must be a non-empty list"),
     (lambda: qd.positions(0, 3, 8, "zigzag"), "length = 8 must be divisible .* = 6"),
+    (lambda: qd.rank_chunks(3, 2, "zigzag"), r"rank must be an integer in \[0, world\) = \[0, 2\), got 3"),
+    (lambda: qd.rank_chunks(-1, 2, "contiguous"), r"rank must be an integer in \[0, world\)"),
 ])
 def test_shard_errors(call, message):
     with pytest.raises(ValueError, match=message):
@@ -555,6 +557,17 @@ def test_benchmark_arguments_are_checked_before_any_process_starts(monkeypatch, 
     with pytest.raises(SystemExit) as exc:
         bench_distributed.main(argv)
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_benchmark_help_shows_every_options_default(capsys):
+    from qkv import bench_distributed
+
+    with pytest.raises(SystemExit):
+        bench_distributed.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for shown in ("(default: [2048, 4096, 8192])", "(default: float32)", "(default: causal)",
+                  "(default: zigzag)", "(the best is reported) (default: 3)"):
+        assert shown in text
 
 
 def test_benchmark_kv_heads_default_to_the_query_heads(monkeypatch):

@@ -159,10 +159,19 @@ def measure_single(cfg: dict, length: int, device) -> dict:
     def run():
         return attention(q, k, v, _mask(cfg))
 
-    with PeakMemory(device) as held:
-        q, k, v = _inputs(cfg, length, device, seed=0)
+    (q, k, v), held = _held_inputs(cfg, length, device, seed=0)
     seconds, peak = _timed(run, cfg, device)
-    return {"L": length, "seconds": seconds, "peak_bytes": peak + held.peak}
+    return {"L": length, "seconds": seconds, "peak_bytes": peak + held}
+
+
+def _held_inputs(cfg: dict, length: int, device, seed: int):
+    """(_inputs(...), the bytes they hold). A process's first random tensor also allocates
+    torch's own state (1.7 MiB on a CPU), counted against whichever length ran first: a
+    one-token draw comes first."""
+    _inputs(cfg, 1, device, seed)
+    with PeakMemory(device) as held:
+        tensors = _inputs(cfg, length, device, seed)
+    return tensors, held.peak
 
 
 def measure_ring(cfg: dict, length: int, device, group=None) -> dict:
@@ -172,8 +181,7 @@ def measure_ring(cfg: dict, length: int, device, group=None) -> dict:
     from .distributed import RingStats, ring_attention
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    with PeakMemory(device) as held:
-        q, k, v = _inputs(cfg, length // world, device, seed=1 + rank)
+    (q, k, v), held = _held_inputs(cfg, length // world, device, seed=1 + rank)
     stats = RingStats()
 
     def run():
@@ -181,7 +189,7 @@ def measure_ring(cfg: dict, length: int, device, group=None) -> dict:
 
     seconds, peak = _timed(run, cfg, device, barrier=lambda: dist.barrier(group=group))
     calls = 1 + cfg["repeat"]
-    return {"L": length, "rank": rank, "seconds": seconds, "peak_bytes": peak + held.peak,
+    return {"L": length, "rank": rank, "seconds": seconds, "peak_bytes": peak + held,
             "sent_bytes": stats.bytes_sent // calls, "blocks": stats.blocks_computed // calls,
             "skipped": stats.blocks_skipped // calls}
 
@@ -365,16 +373,19 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--world", type=positive_int, default=2,
                    help="ranks to start on this machine (ignored under torchrun)")
-    p.add_argument("--lengths", type=positive_int, nargs="+", default=list(LENGTHS))
+    p.add_argument("--lengths", type=positive_int, nargs="+", default=list(LENGTHS),
+                   help="sequence lengths L, each divisible by the world size (twice it for zigzag)")
     p.add_argument("--heads", type=positive_int, default=DEFAULTS["heads"], help="query heads")
     p.add_argument("--kv-heads", type=positive_int, default=DEFAULTS["kv_heads"],
                    help="key/value heads, dividing --heads (None: as many as --heads)")
     p.add_argument("--head-dim", type=positive_int, default=DEFAULTS["head_dim"], help="D")
     p.add_argument("--batch", type=positive_int, default=DEFAULTS["batch"], help="batch rows")
-    p.add_argument("--dtype", default=DEFAULTS["dtype"], choices=DTYPES)
-    p.add_argument("--mask", default=DEFAULTS["mask"], choices=("causal", "none"))
-    p.add_argument("--layout", default=DEFAULTS["layout"], choices=("contiguous", "zigzag"))
-    p.add_argument("--repeat", type=positive_int, default=DEFAULTS["repeat"])
+    p.add_argument("--dtype", default=DEFAULTS["dtype"], choices=DTYPES, help="inputs' dtype")
+    p.add_argument("--mask", default=DEFAULTS["mask"], choices=("causal", "none"), help="the attention mask")
+    p.add_argument("--layout", default=DEFAULTS["layout"], choices=("contiguous", "zigzag"),
+                   help="how the sequence is split over the ranks (zigzag balances causal work)")
+    p.add_argument("--repeat", type=positive_int, default=DEFAULTS["repeat"],
+                   help="timed calls per length (the best is reported)")
     p.add_argument("--backward", action="store_true", help="time forward + backward")
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     p.add_argument("--worker", type=int, help=argparse.SUPPRESS)

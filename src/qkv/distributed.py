@@ -72,6 +72,7 @@ def chunks_per_rank(layout: str) -> int:
 
 def rank_chunks(rank: int, world: int, layout: str) -> list[int]:
     """The global chunk indices held by `rank`, in the order they sit in its shard."""
+    rank, world = _check_rank_world(rank, world)
     return [rank, 2 * world - 1 - rank] if chunks_per_rank(layout) == 2 else [rank]
 
 
