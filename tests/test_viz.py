@@ -38,8 +38,21 @@ def test_terminal_heatmap_draws_each_weight_as_a_shade():
         "bb │▒▒▒▒  ",
         " c │░░░░▒▒",
         "keys: 0 a  1 bb  2 c",
-        "shades (nearest): '░' 0.25  '▒' 0.50  '▓' 0.75  '█' 1.00",
+        "shades (nearest): '░' 0.25  '▒' 0.5  '▓' 0.75  '█' 1",
     ])
+
+
+def test_terminal_heatmap_shows_small_weights_and_wide_or_multi_line_labels():
+    """The shades name three significant digits (with two decimals, every shade of uniform
+    weights over 300 keys read 0.00); a wide character takes two columns, a newline shows as
+    an escape, so the rows stay in line with the header."""
+    text = viz.terminal_heatmap(np.full((2, 300), 1 / 300), ["a", "b"])
+    assert text.endswith("shades (nearest): '░' 0.000833  '▒' 0.00167  '▓' 0.0025  '█' 0.00333")
+    lines = viz.terminal_heatmap(np.eye(3), ["我爱", "a\nb", "c"]).splitlines()
+    assert lines[1:5] == ["      0 1 2 ", "我爱 │██    ", "a\\nb │  ██  ", "   c │    ██"]
+    assert lines[5] == "keys: 0 我爱  1 a\\nb  2 c"
+    cut = viz.terminal_heatmap(np.eye(2), ["我" * 9, "x"]).splitlines()
+    assert cut[2] == "我我我我我我我我 │██  " and cut[3] == "               x │  ██"  # 16 columns, padded
 
 
 def test_terminal_heatmap_picks_layer_and_head_and_labels_long_rows():
@@ -120,6 +133,14 @@ def test_png_grid_has_a_panel_per_head_with_token_labels(tmp_path):
     np.testing.assert_allclose(panels[4].images[0].get_array(), w[1, 1])
     assert [t.get_text() for t in panels[0].get_yticklabels()] == TOKENS
     assert [t.get_text() for t in panels[3].get_xticklabels()] == TOKENS  # bottom row
+
+    dollars = viz.heatmap_grid(w[0, 0, :2, :2], ["$_$", "$x^2$"], title="cost $5 vs $6", path=tmp_path / "d.png")
+    assert [t.get_text() for t in dollars.axes[0].get_yticklabels()] == ["$_$", "$x^2$"]  # text, not formulas
+    assert not any(t.get_parse_math() for t in dollars.axes[0].get_yticklabels())  # ("$_$" failed to save)
+    from matplotlib.text import Text
+
+    title = [t for t in dollars.findobj(Text) if t.get_text() == "cost $5 vs $6"]
+    assert len(title) == 1 and not title[0].get_parse_math()
 
     one = viz.heatmap_grid(w, TOKENS, layer=1, path=tmp_path / "one.png")
     assert [ax.get_title() for ax in one.axes if ax.images] == ["head 0", "head 1", "head 2"]
@@ -267,7 +288,7 @@ def test_command_errors_are_one_clear_line(tmp_path, capsys):
     assert "tokens has 2 labels" in capsys.readouterr().err
     assert viz.main(["--random", "--tokens", "a b"]) == 2
     assert "--tokens labels the weights of --npy" in capsys.readouterr().err
-    assert viz.main(["--npy", str(tmp_path / "w.npy"), "--causal", "--seed", "0", "--quiet"]) == 2
+    assert viz.main(["--npy", str(tmp_path / "w.npy"), "--causal", "--seed", "0"]) == 2
     assert "--seed, --causal: for --random only" in capsys.readouterr().err
     assert viz.main(["--random", "--seed", "-1"]) == 2
     assert "seed must be a non-negative integer, got -1" in capsys.readouterr().err
@@ -275,8 +296,12 @@ def test_command_errors_are_one_clear_line(tmp_path, capsys):
         raise MemoryError  # as NumPy's allocation of a very long --length's weights does
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(viz, "random_weights", too_large)
-        assert viz.main(["--random", "--length", "200000", "--quiet"]) == 2
+        assert viz.main(["--random", "--length", "200000"]) == 2
     assert "not enough memory for these weights" in capsys.readouterr().err
+    assert viz.main(["--random", "--quiet", "--layer", "5"]) == 2  # it used to draw nothing and exit 0
+    assert "nothing to draw: --quiet leaves out the terminal heatmap" in capsys.readouterr().err
+    assert viz.main(["--random", "--quiet", "--html", str(tmp_path / "v.html"), "--head", "9"]) == 2
+    assert "head must be an integer in [0, 4)" in capsys.readouterr().err
     for option, name in (("--png", "grid"), ("--png", ""), ("--html", "view.txt")):
         with pytest.raises(SystemExit) as exc:
             viz.main(["--random", option, str(tmp_path / name) if name else ""])

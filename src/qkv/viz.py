@@ -22,6 +22,7 @@ import math
 import re
 import sys
 import textwrap
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,15 +136,43 @@ def terminal_heatmap(weights, tokens=None, *, key_tokens=None, layer=0, head=Non
     steps = len(SHADES) - 1
     levels = np.clip(np.rint(grid / top * steps), 0, steps).astype(int) if top > 0 else np.zeros(grid.shape, int)
     which = "mean of heads" if head is None else f"head {head}"
-    width = min(max(len(t) for t in maps.tokens), 16)
+    labels = [_printable(t) for t in maps.tokens]
+    width = min(max(_columns(t) for t in labels), 16)
     lines = [f"layer {layer}, {which}  (rows: queries, columns: keys)"]
     lines += [" " * (width + 2) + header for header in _column_headers(grid.shape[1])]
-    for token, row in zip(maps.tokens, levels):
-        lines.append(f"{token[:width]:>{width}} │" + "".join(SHADES[v] * 2 for v in row))
-    lines.append("keys: " + "  ".join(f"{j} {t}" for j, t in enumerate(maps.key_tokens)))
-    shades = "  ".join(f"'{SHADES[i]}' {top * i / steps:.2f}" for i in range(1, steps + 1))
+    for label, row in zip(labels, levels):
+        lines.append(_right_aligned(label, width) + " │" + "".join(SHADES[v] * 2 for v in row))
+    lines.append("keys: " + "  ".join(f"{j} {_printable(t)}" for j, t in enumerate(maps.key_tokens)))
+    shades = "  ".join(f"'{SHADES[i]}' {top * i / steps:.3g}" for i in range(1, steps + 1))
     lines.append(f"shades (nearest): {shades}")
     return "\n".join(lines)
+
+
+def _printable(label: str) -> str:
+    """A label on one line: control characters (a newline in a token) as escapes."""
+    return "".join(repr(c)[1:-1] if unicodedata.category(c) == "Cc" else c for c in label)
+
+
+def _char_columns(c: str) -> int:
+    """Terminal columns a character takes: 2 for wide East Asian ones, 0 for combining marks."""
+    if unicodedata.combining(c):
+        return 0
+    return 2 if unicodedata.east_asian_width(c) in ("W", "F") else 1
+
+
+def _columns(text: str) -> int:
+    return sum(_char_columns(c) for c in text)
+
+
+def _right_aligned(label: str, width: int) -> str:
+    """label cut to `width` terminal columns and padded on the left to exactly that many."""
+    kept, used = [], 0
+    for c in label:
+        if used + _char_columns(c) > width:
+            break
+        kept.append(c)
+        used += _char_columns(c)
+    return " " * (width - used) + "".join(kept)
 
 
 def _column_headers(n: int) -> list:
@@ -200,11 +229,12 @@ def heatmap_grid(weights, tokens=None, *, key_tokens=None, layer=None, path=None
             continue
         lay, head = panels[index]
         image = ax.imshow(maps.weights[lay, head], cmap=cmap, vmin=0.0, vmax=top, interpolation="nearest")
-        ax.set_title(f"layer {lay} head {head}" if layer is None else f"head {head}", fontsize=8)
+        ax.set_title(f"layer {lay} head {head}" if layer is None else f"head {head}", fontsize=8, parse_math=False)
         _label_axes(ax, maps, left=index % n_cols == 0, bottom=index + n_cols >= len(panels))
     fig.colorbar(image, ax=axes, shrink=0.6, aspect=30, pad=0.01, label="attention weight")
     # wrapped to the figure's width (about 10 characters an inch at this size): one panel is narrow
-    fig.suptitle(textwrap.fill(title or _default_title(maps, layer), max(24, int(width * 10))), fontsize=11)
+    fig.suptitle(textwrap.fill(title or _default_title(maps, layer), max(24, int(width * 10))), fontsize=11,
+                 parse_math=False)  # a '$' in a title or token is text, not the start of a formula
     if path is not None:
         fig.savefig(path)
     return fig
@@ -221,11 +251,11 @@ def _label_axes(ax, maps, *, left: bool, bottom: bool):
     size = 7 if max(Lq, Lk) <= 24 else 5
     # no ticks at all where no label shows: a tick per position costs seconds at a thousand
     if left and Lq <= 48:
-        ax.set_yticks(range(Lq), maps.tokens, fontsize=size)
+        ax.set_yticks(range(Lq), maps.tokens, fontsize=size, parse_math=False)
     else:
         ax.set_yticks([])
     if bottom and Lk <= 48:
-        ax.set_xticks(range(Lk), maps.key_tokens, fontsize=size, rotation=90)
+        ax.set_xticks(range(Lk), maps.key_tokens, fontsize=size, rotation=90, parse_math=False)
     else:
         ax.set_xticks([])
     ax.tick_params(length=0)
@@ -372,10 +402,15 @@ def random_weights(length=10, heads=4, layers=2, *, seed=0, causal=False, dim=16
 def run(args) -> int:
     """Carry out ``qkv viz`` for parsed arguments; prints what it drew. Returns the exit code."""
     try:
+        if args.quiet and not (args.png or args.html):
+            raise ValueError("nothing to draw: --quiet leaves out the terminal heatmap, and neither --png nor "
+                             "--html is given")
         if args.png:
             _figure_class()  # a missing matplotlib fails the command before it draws anything
         weights, tokens = load_weights(args)
         maps = as_maps(weights, tokens)
+        _check_index("layer", args.layer, maps.layers, "layers", optional=True)  # whatever is drawn
+        _check_index("head", args.head, maps.heads, "heads", optional=True)
         if not args.quiet:
             print(terminal_heatmap(maps, layer=0 if args.layer is None else args.layer, head=args.head))
         if args.png:
