@@ -319,3 +319,79 @@ def test_bfloat16_backward_reads_the_output_as_summed(backend):
     rounded one dq was off by 0.0225 where the rule allows 0.0176 (one of some 160 random
     cases, a short masked row)."""
     check_bfloat16_short_row(backend, torch.tensor([[True, False, True]]))
+
+
+@pytest.mark.parametrize("backend, rule", [(b, "mask_fn") for b in GRAD_BACKENDS] + [("torch", "score_fn")])
+def test_a_tensor_a_rule_reads_changed_before_the_backward_is_refused(backend, rule, rng):
+    """The backward evaluates the rule again: a tensor it captured, changed in place after the
+    forward, gave silently wrong gradients (dq off by 8.6 for a mask_fn table)."""
+    q, k, v = _float32_leaves(rng)
+    table = torch.from_numpy(rng.random((9, 9))).float()
+    mod = dict(mask=qkv.mask_fn(lambda b, h, i, j: table[i, j] > 0.3)) if rule == "mask_fn" else \
+        dict(score_mod=qkv.score_fn(lambda s, b, h, i, j: s + table[i, j]))
+    out = qkv.attention(q, k, v, backend=backend, **mod)
+    table.mul_(3)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("backend", [None, "torch"])
+def test_a_bias_changed_under_allow_mutation_on_saved_tensors_is_refused(backend, rng):
+    """torch then saves a copy and lets the change pass, but the backward read the changed bias
+    again: gradients off by 2.4e7 (native) and 4.8e13 (torch). (Its dispatch mode now keeps the
+    native kernel out, as every dispatch mode does.)"""
+    q, k, v = _float32_leaves(rng)
+    bias = torch.from_numpy(rng.standard_normal((9, 9))).float()
+    with torch.autograd.graph.allow_mutation_on_saved_tensors():
+        out = qkv.attention(q, k, v, bias, backend=backend)
+        bias.mul_(10)
+        with pytest.raises(RuntimeError, match="changed in place after qkv.attention's forward"):
+            out.sum().backward()
+
+
+def test_tangents_of_a_bias_or_of_alibi_slopes_are_carried_or_refused(rng):
+    """Only q, k and v were looked at for tangents: native ran on a bias with one and dropped it,
+    and alibi slopes with one lost it on every backend."""
+    import torch.autograd.forward_ad as fwAD
+
+    q, k, v = (x.detach() for x in _float32_leaves(rng))
+    bias, direction = (torch.from_numpy(rng.standard_normal((9, 9))).float() for _ in range(2))
+    want = torch.func.jvp(lambda b: _oracle(q, k, v, b), (bias.double(),), (direction.double(),))[1]
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(bias, direction)
+        assert "native" in qkv.explain(q, k, v, dual).refused
+        got = fwAD.unpack_dual(qkv.attention(q, k, v, dual)).tangent
+        assert got is not None and (got.double() - want).abs().max() < 1e-5
+        dual_slopes = fwAD.make_dual(slopes, torch.ones(4))
+        for backend in ("torch", None):
+            with pytest.raises(ValueError, match="alibi slopes that require grad or carry a forward-mode tangent"):
+                qkv.attention(q, k, v, score_mod=qkv.alibi(dual_slopes), backend=backend)
+        weights = qkv.attention_weights(q, k, score_mod=qkv.alibi(dual_slopes))  # the formula carries it
+        assert fwAD.unpack_dual(weights).tangent.abs().max() > 0
+
+
+def test_make_fx_traces_the_operators_that_compute_attention(rng):
+    """Under a dispatch mode the native kernel ran unseen: make_fx recorded only its output's
+    allocation, and the traced graph returned uninitialised memory."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    q, k, v = (x.detach() for x in _float32_leaves(rng))
+    traced = make_fx(lambda q, k, v: qkv.attention(q, k, v, qkv.causal()))(q, k, v)
+    assert len([n for n in traced.graph.nodes if n.op == "call_function"]) > 5
+    torch.testing.assert_close(traced(q * 2, k, v), qkv.attention(q * 2, k, v, qkv.causal()))
+
+
+@pytest.mark.parametrize("backend", ["torch", None])
+def test_a_score_fn_of_the_positions_alone_has_gradients(backend, rng):
+    """A rule that does not read the score: the backward failed ('element 0 of tensors does not
+    require grad'); the scores' gradient is zero there."""
+    q, k, v = _float32_leaves(rng)
+    position_bias = qkv.score_fn(lambda s, b, h, i, j: -0.1 * (i - j).abs().to(s.dtype))
+    qkv.attention(q, k, v, score_mod=position_bias, backend=backend).sum().backward()
+    i = torch.arange(9)
+    v64 = v.detach().double().requires_grad_()
+    weights = torch.softmax(-0.1 * (i[:, None] - i).abs().double(), -1)  # (Lq, Lk): the scores play no part
+    (weights @ v64.repeat_interleave(q.shape[1] // v.shape[1], 1)).sum().backward()
+    torch.testing.assert_close(v.grad.double(), v64.grad, rtol=0, atol=1e-5)
+    assert q.grad.abs().max() == 0 and k.grad.abs().max() == 0

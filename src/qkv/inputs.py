@@ -269,16 +269,24 @@ class AttentionInputs:
     def lse_shape(self) -> tuple:
         return self.batch_shape + self.head_shape + (self.Lq,)
 
+    def _rules(self) -> list:
+        return ([self.mask] if self.mask is not None else []) + list(self.score_mods)
+
     def held_tensors(self) -> tuple:
         """The torch tensors of the mask and score modifiers, which a backward reads again (and
-        checks for changes in place). A NumPy array there is refused: its changes go unseen."""
-        rules = ([self.mask] if self.mask is not None else []) + list(self.score_mods)
-        held = [a for rule in rules for a in masks.held_arrays(rule)]
+        checks for changes in place): dense masks, biases, and the tensors the user's rules read
+        directly. A NumPy dense mask or bias is refused: its changes would go unseen."""
+        held = [a for rule in self._rules() for a in masks.held_arrays(rule)]
         if not all(_arrays.is_torch(a) for a in held):
             raise TypeError("a dense mask or bias holds a NumPy array, and torch inputs record gradients: the "
                             "backward reads it again and could not tell if it changed in place; pass it as a "
                             "torch tensor (torch.from_numpy(array))")
-        return tuple(held)
+        return tuple(held) + tuple(t for rule in self._rules() for t in masks.tensors_rules_read(rule))
+
+    def rule_tensors(self) -> list:
+        """Every torch tensor the mask and score modifiers read (for forward-mode tangents)."""
+        held = [a for rule in self._rules() for a in masks.held_arrays(rule) if _arrays.is_torch(a)]
+        return held + [t for rule in self._rules() for t in masks.tensors_rules_read(rule)]
 
     def to_caller(self, out, lse):
         """A backend's (out, lse), (B, Hq, Lq, Dv) and (B, Hq, Lq) or None, in the caller's shapes."""
@@ -506,15 +514,17 @@ def _refuse_function_transforms():
 
 def refuse_trainable_rules(inp: AttentionInputs):
     """A score_fn that reads tensors which require grad (a learned relative bias, say), or alibi
-    slopes that require grad, would get no gradient from qkv's kernels: refuse them, as a float
+    slopes that require grad or carry a tangent, would get no derivative from qkv's kernels: refuse them, as a float
     mask that requires grad is refused. The rule is tried once at position (0, 0, 0, 0), which
     every non-empty call evaluates too."""
+    slopes = [m.trainable for m in inp.score_mods if isinstance(m, masks.Alibi) and m.trainable is not None]
+    if any(t.requires_grad and _arrays.grad_enabled() or _arrays.has_tangents(t) for t in slopes):
+        raise ValueError("alibi slopes that require grad or carry a forward-mode tangent: qkv gives no "
+                         "derivative for them. Pass slopes.detach(), or differentiate through "
+                         "qkv.attention_weights(q, k, mask, score_mod=...) @ v, which records the formula "
+                         "(O(Lq·Lk) memory)")
     if inp.kind != "torch" or not _arrays.grad_enabled():
         return
-    if any(isinstance(m, masks.Alibi) and m.trainable is not None for m in inp.score_mods):
-        raise ValueError("alibi slopes that require grad: qkv gives no gradient for them. Pass "
-                         "slopes.detach(), or differentiate through qkv.attention_weights(q, k, mask, "
-                         "score_mod=...) @ v, which records the formula (O(Lq·Lk) memory)")
     rules = [m for m in inp.score_mods if isinstance(m, masks.ScoreFn)]
     if not rules:
         return

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -629,6 +630,30 @@ def held_arrays(rule) -> list:
     return [array for part in _parts(rule) for array in held_arrays(part)]
 
 
+def tensors_rules_read(rule) -> list:
+    """The torch tensors the user's rules (mask_fn, score_fn) inside a mask or score modifier
+    read directly: captured in a rule's closure, its defaults, or the globals it names. Tensors
+    reached any other way (through a helper, an object's attribute) are not seen."""
+    if isinstance(rule, (MaskFn, ScoreFn)):
+        return _tensors_read_by(rule.fn)
+    return [t for part in _parts(rule) for t in tensors_rules_read(part)]
+
+
+def _tensors_read_by(fn) -> list:
+    fn = getattr(fn, "__func__", fn)  # a bound method: its function
+    code, torch = getattr(fn, "__code__", None), sys.modules.get("torch")
+    if code is None or torch is None:  # a builtin or a callable object: nothing to see
+        return []
+    values = list(fn.__defaults__ or ()) + list((fn.__kwdefaults__ or {}).values())
+    for cell in fn.__closure__ or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:  # a cell not yet filled
+            pass
+    values += [fn.__globals__[name] for name in code.co_names if name in fn.__globals__]
+    return [v for v in values if isinstance(v, torch.Tensor)]
+
+
 def _dense_lookup(arr4, b, h, qi, ki):
     """arr4 (B|1, H|1, Lq|1, Lk|1) gathered at broadcast indices; size-1 dims broadcast."""
     arr4 = _arrays.like(arr4, b)
@@ -744,7 +769,8 @@ def mask_fn(fn) -> Mask:
     The index arrays are of the inputs' kind: NumPy arrays for NumPy inputs, torch tensors for
     torch ones (on the host where qkv classifies tiles, on the inputs' device in the torch
     backend), so a rule may use that kind's functions. ``blocks`` and ``materialize`` pass
-    NumPy arrays.
+    NumPy arrays. A backward evaluates the rule again: torch tensors it reads directly (its
+    closure, defaults, globals it names) must not change in place before then (refused).
     """
     return MaskFn(fn)
 
@@ -780,9 +806,11 @@ class Alibi(ScoreMod):
 
     def __init__(self, slopes):
         self.slopes = inputs.check_slopes("slopes", slopes)
-        # slopes that require grad: the formula paths (attention_weights) differentiate through
-        # them; attention refuses them (inputs.refuse_trainable_rules)
-        self.trainable = slopes if _arrays.is_torch(slopes) and slopes.requires_grad else None
+        # slopes that require grad or carry a forward-mode tangent: the formula paths
+        # (attention_weights) differentiate through them; attention refuses them
+        # (inputs.refuse_trainable_rules)
+        differentiable = _arrays.is_torch(slopes) and (slopes.requires_grad or _arrays.has_tangents(slopes))
+        self.trainable = slopes if differentiable else None
 
     def check(self, geom):
         inputs.check_size("slopes", self.slopes, geom.heads, "the number of query heads")
@@ -870,7 +898,8 @@ def score_fn(fn) -> ScoreMod:
     are index arrays that broadcast against it (batch, query head, query and key positions).
     The answer is a floating array that broadcasts to the scores' shape (a rule of the
     positions alone may return (Lq, Lk)). No gradient flows to tensors the rule reads: with
-    autograd recording, a rule that reads tensors requiring grad is refused.
+    autograd recording, a rule that reads tensors requiring grad is refused, and one whose
+    tensors (its closure, defaults, globals it names) changed in place before the backward.
     """
     return ScoreFn(fn)
 

@@ -57,8 +57,9 @@ class Backend:
             reasons.append(f"head dims up to {caps.max_head_dim}, got D={inp.D}, Dv={inp.Dv}")
         if inp.needs_grad and not caps.gradients:
             reasons.append("no autograd support (inputs require grad)")
-        if inp.kind == "torch" and not caps.forward_ad and _arrays.has_tangents(inp.q, inp.k, inp.v):
-            reasons.append("no forward-mode derivative (these inputs carry tangents)")
+        if inp.kind == "torch" and not caps.forward_ad and _arrays.has_tangents(inp.q, inp.k, inp.v,
+                                                                              *inp.rule_tensors()):
+            reasons.append("no forward-mode derivative (these inputs, or tensors the mask reads, carry tangents)")
         if inp.dropout_p > 0 and not caps.dropout:
             reasons.append("no dropout")
         if caps.inline_mods is not None:
@@ -125,6 +126,12 @@ ONCE_DIFFERENTIABLE = ("qkv.attention's backward is not differentiable: second d
                        "which records the plain formula")
 
 
+#: What the backward says when a tensor it reads again changed in place after the forward.
+CHANGED_SINCE_FORWARD = ("a dense mask, a bias or a tensor a mask_fn or score_fn rule reads changed in place after "
+                         "qkv.attention's forward: its backward reads them again, so the gradients would be wrong; "
+                         "change them after the backward, or pass a copy")
+
+
 BATCHED_GRADIENTS = ("qkv.attention's backward takes one gradient at a time: batched gradients "
                      "(is_grads_batched=True, jacobian(vectorize=True), gradcheck's check_batched_grad) are not "
                      "supported; loop over the gradients instead")
@@ -143,6 +150,9 @@ def _attention_function():
             out, lse, lse_lo = run_forward(state, q, k, v)
             ctx.save_for_backward(q, k, v, out, lse, lse_lo, *held)  # held: checked for in-place changes only
             ctx.job, ctx.held = job, len(held)
+            # and by their versions too: under allow_mutation_on_saved_tensors torch saves a copy
+            # and lets the change pass, but the backward reads the rules' own tensors again
+            ctx.held_versions = [(t, t._version) for t in held]
             ctx.set_materialize_grads(False)
             return out.to(q.dtype), lse
 
@@ -153,6 +163,8 @@ def _attention_function():
             if any(g is not None and torch._C._functorch.is_legacy_batchedtensor(g) for g in (dout, dlse)):
                 raise TypeError(BATCHED_GRADIENTS)  # autograd's own vmap (is_grads_batched)
             q, k, v, out, lse, lse_lo = ctx.saved_tensors[:6]
+            if any(t._version != version for t, version in ctx.held_versions):
+                raise RuntimeError(CHANGED_SINCE_FORWARD)
             _, run_backward, state = ctx.job
             dout = torch.zeros(out.shape, dtype=q.dtype, device=out.device) if dout is None else dout
             with _arrays.autocast_off(q):

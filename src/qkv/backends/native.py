@@ -145,6 +145,9 @@ class NativeBackend(Backend):
             subclass = next((type(x) for x in (inp.q, inp.k, inp.v) if type(x) not in plain), None)
             if subclass is not None:  # a FakeTensor has no memory: the kernel would read freed or no memory
                 reasons.append(f"a tensor subclass ({subclass.__name__}) whose memory the kernel cannot read")
+            elif _dispatch_mode_active():
+                reasons.append("a torch dispatch mode is active (make_fx, FakeTensorMode, FlopCounterMode...): "
+                               "it would not see the kernel's work, which torch's operators do not do")
         return reasons
 
     def on_amx(self, inp):
@@ -266,6 +269,14 @@ def _empty(kind, dtype, shape):
 
         return torch.empty(shape, dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype)
     return np.empty(shape, dtype=dtype)
+
+
+def _dispatch_mode_active() -> bool:
+    """Whether a torch dispatch mode intercepts operators now: make_fx would trace only the
+    kernel's empty output, a FlopCounterMode count nothing of it."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode() is not None
 
 
 def kernel_extras(inp, blocks) -> dict:

@@ -209,7 +209,9 @@ def _modified_with_grad(rule, raw):
     with torch.enable_grad():
         leaf = raw.detach().requires_grad_(True)
         modified = rule.modify(leaf)
-    return (lambda ds: torch.autograd.grad(modified, leaf, ds)[0]), modified.detach()
+    if not modified.requires_grad:  # a score_fn of the positions alone: the scores do not reach the output
+        return (lambda ds: torch.zeros_like(ds)), modified
+    return (lambda ds: torch.autograd.grad(modified, leaf, ds, materialize_grads=True)[0]), modified.detach()
 
 
 class TorchBackend(Backend):
