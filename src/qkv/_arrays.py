@@ -81,10 +81,15 @@ def cast_like(values, x):
     return values.to(x.dtype) if is_torch(x) else values.astype(x.dtype, copy=False)
 
 
+def forward_ad_active() -> bool:
+    """Whether a forward-mode AD level (torch.autograd.forward_ad.dual_level) is open."""
+    return sys.modules["torch"].autograd.forward_ad._current_level >= 0
+
+
 def has_tangents(*tensors) -> bool:
     """Whether forward-mode AD (torch.autograd.forward_ad) gave any of the tensors a tangent."""
     forward_ad = sys.modules["torch"].autograd.forward_ad
-    return forward_ad._current_level >= 0 and any(forward_ad.unpack_dual(x).tangent is not None for x in tensors)
+    return forward_ad_active() and any(forward_ad.unpack_dual(x).tangent is not None for x in tensors)
 
 
 def to_numpy(x) -> np.ndarray:

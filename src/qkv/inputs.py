@@ -283,10 +283,14 @@ class AttentionInputs:
                             "torch tensor (torch.from_numpy(array))")
         return tuple(held) + tuple(t for rule in self._rules() for t in masks.tensors_rules_read(rule))
 
-    def rule_tensors(self) -> list:
-        """Every torch tensor the mask and score modifiers read (for forward-mode tangents)."""
+    def carries_tangents(self) -> bool:
+        """Whether forward-mode AD gave a tangent to q, k, v or a torch tensor the mask and
+        score modifiers read (torch inputs)."""
+        if not _arrays.forward_ad_active():  # the common case, answered without walking the rules
+            return False
         held = [a for rule in self._rules() for a in masks.held_arrays(rule) if _arrays.is_torch(a)]
-        return held + [t for rule in self._rules() for t in masks.tensors_rules_read(rule)]
+        read = [t for rule in self._rules() for t in masks.tensors_rules_read(rule)]
+        return _arrays.has_tangents(self.q, self.k, self.v, *held, *read)
 
     def to_caller(self, out, lse):
         """A backend's (out, lse), (B, Hq, Lq, Dv) and (B, Hq, Lq) or None, in the caller's shapes."""

@@ -57,8 +57,7 @@ class Backend:
             reasons.append(f"head dims up to {caps.max_head_dim}, got D={inp.D}, Dv={inp.Dv}")
         if inp.needs_grad and not caps.gradients:
             reasons.append("no autograd support (inputs require grad)")
-        if inp.kind == "torch" and not caps.forward_ad and _arrays.has_tangents(inp.q, inp.k, inp.v,
-                                                                              *inp.rule_tensors()):
+        if inp.kind == "torch" and not caps.forward_ad and inp.carries_tangents():
             reasons.append("no forward-mode derivative (these inputs, or tensors the mask reads, carry tangents)")
         if inp.dropout_p > 0 and not caps.dropout:
             reasons.append("no dropout")
