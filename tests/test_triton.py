@@ -278,6 +278,7 @@ def test_a_lone_causal_mask_is_computed_in_the_kernels(rng, align, shift):
     (dict(score_mod=qkv.score_fn(lambda s, b, h, i, j: s)), "not score_fn"),
     (dict(score_mod=[qkv.softcap(1.0), qkv.alibi(np.ones(2))]), "softcap last"),
     (dict(dropout_p=0.1), "no dropout"),
+    (dict(scale=3e38), r"a scale above 2.36e\+38"),  # scale·log2(e) overflowed: every output NaN
 ])
 def test_unsupported_calls_are_refused_with_the_reason(rng, kwargs, reason):
     q, k, v = qkv_of(rng, "float32", Lq=45, Lk=45)
@@ -364,3 +365,49 @@ def test_outside_the_interpreter_cpu_inputs_are_refused_for_their_device_only():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "inputs are on cpu" in out.stdout and "only when named" not in out.stdout
+
+
+def test_triton_imported_before_the_interpreter_was_asked_for_is_refused_by_name():
+    """Its own library's functions were made for the GPU then: the call failed inside triton
+    ('Cannot call @triton.jit'd outside of the scope of a kernel')."""
+    script = ("import os, torch, triton, qkv\nos.environ['TRITON_INTERPRET'] = '1'\nq = torch.zeros(1, 1, 8, 16)\n"
+              "print(qkv.dispatch.REGISTRY['triton'].unsupported(qkv.inputs.prepare(q, q, q)))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "TRITON_INTERPRET=1 was set after triton was imported" in out.stdout
+
+
+@pytest.mark.skipif(ON_GPU, reason="float16 on the interpreter: a small exact case")
+def test_float16_gradients_where_ds_passes_float16s_range():
+    """dS = P·(dP - delta) was rounded to float16 before its products with K and Q: past 65504
+    it became inf, and dq inf, dk NaN, where the true ones are 500 and 0."""
+    q = torch.zeros(1, 1, 1, 16, dtype=torch.float16, requires_grad=True)
+    k = torch.zeros(1, 1, 2, 16, dtype=torch.float16)
+    v = torch.zeros(1, 1, 2, 16, dtype=torch.float16)
+    k[..., 0, 0], k[..., 1, 0], v[..., 0, 0], v[..., 1, 0] = 0.01, -0.01, 200, -200
+    k.requires_grad_(), v.requires_grad_()
+    dout = torch.zeros(1, 1, 1, 16, dtype=torch.float16)
+    dout[..., 0] = 1000
+    qkv.attention(q, k, v, backend="triton").backward(dout)
+    assert q.grad[0, 0, 0, 0].item() == pytest.approx(500, rel=1e-2) and torch.isfinite(q.grad).all()
+    assert k.grad.abs().max().item() < 1 and v.grad[0, 0, :, 0].tolist() == [500.0, 500.0]
+
+
+def test_alibi_past_float32s_range_gives_no_nan(rng):
+    """slope·distance overflowing to -inf filled whole unmasked tiles, which skipped the guard
+    against a -inf maximum: 45 of 100 rows came out NaN."""
+    q, k, v = (make(rng, (1, 1, 100, 8), "float32") for _ in range(3))
+    got = qkv.attention(q, k, v, score_mod=qkv.alibi(np.array([1e37])), backend="triton")
+    want = qkv.attention(q, k, v, score_mod=qkv.alibi(np.array([1e37])), backend="torch")
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want)
+
+
+def test_a_document_mask_from_a_later_query_runs_as_a_document_mask(rng):
+    """What the modules build for a KV cache's step, causal() & document(ids).from_query(n),
+    was refused ('takes interval and document masks ..., not document(ids) from query 5')."""
+    ids = np.array([[0, 0, 0, 1, 1, 1, 1, 1]])
+    q, k, v = make(rng, (1, 1, 3, 16), "float32"), make(rng, (1, 1, 8, 16), "float32"), make(rng, (1, 1, 8, 16), "float32")
+    mask = qkv.causal() & qkv.document(ids).from_query(5)
+    torch.testing.assert_close(qkv.attention(q, k, v, mask, backend="triton"), qkv.attention(q, k, v, mask, backend="torch"))

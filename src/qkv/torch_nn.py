@@ -51,7 +51,8 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         self._configure(d_model, num_heads, num_kv_heads, bias)
         self.dropout = dropout
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise TypeError(f"dtype must be a floating torch dtype (float64, float32, bfloat16, float16), got {dtype!r}")
+            raise TypeError(f"dtype must be a floating torch dtype (float64, float32, bfloat16, float16), "
+                            f"got {dtype!r}")
         for name, shape in self._shapes().items():
             self.register_parameter(name, nn.Parameter(torch.empty(shape, device=device, dtype=dtype)))
         self.reset_parameters()

@@ -31,6 +31,16 @@ def _dot(a, b, DOT: tl.constexpr):
 
 
 @triton.jit
+def _ds_dot(ds, b, DOT: tl.constexpr):
+    """ds (float32 dS) @ b, accumulated in float32: in b's dtype, except float16's, whose range
+    ends at 65504, where dS passes it with large upstream gradients (loss scaling) while dQ and
+    dK stay small; there the product is taken in float32."""
+    if b.dtype == tl.float16:
+        return tl.dot(ds, b.to(tl.float32))
+    return _dot(ds.to(b.dtype), b, DOT)
+
+
+@triton.jit
 def _tanh(x):
     """float32 tanh (Cephes tanhf): a polynomial near 0, exp beyond; libdevice is not portable
     to the interpreter."""
@@ -174,7 +184,8 @@ def _forward_tiles(acc, m_i, l_i, q, k_ptr, v_ptr, skn, skd, svn, svd, kid_ptr, 
         s, _ = _scores(q, kT, offs_m, offs_n, lo, hi, qid, kid, slope, Lq, Lk, sm_scale, softcap,
                        DOT, MASKED, HAS_INTERVAL, HAS_IDS, HAS_ALIBI, HAS_SOFTCAP)
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new) if MASKED else m_new
+        # a whole tile at -inf: masked, or alibi's slope·distance past float32's range
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new) if MASKED or HAS_ALIBI else m_new
         alpha = tl.math.exp2(m_i - m_safe)
         p = tl.math.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -262,7 +273,7 @@ def _dq_tiles(dq, q, do, lse2, lse2_lo, delta, k_ptr, v_ptr, skn, skd, svn, svd,
         ds = p * (_dot(do, vT, DOT) - delta[:, None])  # d loss / d modified score
         if HAS_SOFTCAP:
             ds = ds * (1.0 - t * t)
-        dq += _dot(ds.to(kT.dtype), tl.trans(kT), DOT)
+        dq += _ds_dot(ds, tl.trans(kT), DOT)
     return dq
 
 
@@ -319,7 +330,7 @@ def _dkdv_tile(dk, dv, kT, vT, q, do, lse2, lse2_lo, delta, offs_m, offs_n, lo, 
     ds = p * (_dot(do, vT, DOT) - delta[:, None])
     if HAS_SOFTCAP:
         ds = ds * (1.0 - t * t)
-    dk += _dot(tl.trans(ds.to(q.dtype)), q, DOT)  # (BN, BD)
+    dk += _ds_dot(tl.trans(ds), q, DOT)  # (BN, BD)
     return dk, dv
 
 

@@ -16,12 +16,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import math
 import os
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..masks import And, Alibi, Causal, Document, IntervalMask, Softcap
+from ..masks import And, Alibi, Causal, Document, IntervalMask, Softcap, _LaterRows
 from .base import (Backend, Capabilities, autograd_attention, cdiv, clip_intervals, key_intervals, saved_output_bytes,
                    softmax_delta)
 
@@ -65,7 +66,7 @@ class TritonBackend(Backend):
         return super().automatic_refusal(inp)
 
     def extra_reasons(self, inp):
-        return _mask_reasons(inp) + _grid_reasons(inp) + _bfloat16_reasons(inp)
+        return _mask_reasons(inp) + _grid_reasons(inp) + _bfloat16_reasons(inp) + _interpreter_reasons(inp)
 
     def forward(self, inp):
         call = _Call(inp, _plan_masks(inp))
@@ -121,10 +122,37 @@ class _MaskPlan:
     causal_shift: int | None = None
 
 
+#: The largest |scale| the kernels take: they fold scale·log2(e) into one float32.
+MAX_SCALE = float(np.finfo(np.float32).max) / math.log2(math.e)
+
+
+def _interpreter_reasons(inp) -> list[str]:
+    """Reasons of the scale and of how triton was loaded."""
+    reasons = []
+    if abs(inp.scale) > MAX_SCALE:
+        reasons.append(f"a scale above {MAX_SCALE:.3g} (the kernels work in log2 units: scale·log2(e) would "
+                       "overflow float32)")
+    if inp.device.startswith("cpu") and interpreting() and not _loaded_interpreting():
+        reasons.append("TRITON_INTERPRET=1 was set after triton was imported: set it before, for the interpreter")
+    return reasons
+
+
+def _loaded_interpreting() -> bool:
+    """Whether triton, as imported, runs kernels in the interpreter: it decides when each
+    function is decorated, its own library's too (triton.language.standard)."""
+    from triton.language import standard
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(standard.sigmoid, InterpretedFunction)
+
+
 def _conjuncts(mask):
-    """The parts of an &-chain of masks."""
+    """The parts of an &-chain of masks; a document mask's later rows (from_query, as a KV
+    cache's steps make) as a document mask of those rows' ids."""
     if type(mask) is And:  # Or subclasses And: only a true conjunction splits
         return [p for part in mask.parts for p in _conjuncts(part)]
+    if isinstance(mask, _LaterRows) and type(mask.inner) is Document:
+        return [Document(mask.inner.ids[:, mask.offset:], mask.inner.kv_ids)]
     return [mask]
 
 
