@@ -335,11 +335,10 @@ def test_a_tensor_a_rule_reads_changed_before_the_backward_is_refused(backend, r
         out.sum().backward()
 
 
-@pytest.mark.parametrize("backend", [None, "torch"])
+@pytest.mark.parametrize("backend", GRAD_BACKENDS)
 def test_a_bias_changed_under_allow_mutation_on_saved_tensors_is_refused(backend, rng):
     """torch then saves a copy and lets the change pass, but the backward read the changed bias
-    again: gradients off by 2.4e7 (native) and 4.8e13 (torch). (Its dispatch mode now keeps the
-    native kernel out, as every dispatch mode does.)"""
+    again: gradients off by 2.4e7 (native) and 4.8e13 (torch)."""
     q, k, v = _float32_leaves(rng)
     bias = torch.from_numpy(rng.standard_normal((9, 9))).float()
     with torch.autograd.graph.allow_mutation_on_saved_tensors():
@@ -369,6 +368,45 @@ def test_tangents_of_a_bias_or_of_alibi_slopes_are_carried_or_refused(rng):
                 qkv.attention(q, k, v, score_mod=qkv.alibi(dual_slopes), backend=backend)
         weights = qkv.attention_weights(q, k, score_mod=qkv.alibi(dual_slopes))  # the formula carries it
         assert fwAD.unpack_dual(weights).tangent.abs().max() > 0
+
+
+def test_what_a_rule_reads_is_held_only_where_it_can_change_unseen(rng):
+    """An attribute named like a global tensor is not that tensor (cfg.window held a global
+    `window`, and changing it refused the backward); an inference tensor keeps no version (the
+    forward failed reading it); NumPy inputs record nothing (torch slopes that require grad
+    were refused for them)."""
+    q, k, v = _float32_leaves(rng)
+    cfg = type("Config", (), {"window": 4})()
+    with torch.inference_mode():
+        ids = torch.arange(9) // 5
+    out = qkv.attention(q, k, v, qkv.mask_fn(lambda b, h, i, j: ((i - j).abs() <= cfg.window) & (ids[i] == ids[j])))
+    window.add_(1)
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all()
+    numpy_q = q.detach().numpy()
+    trainable_slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], requires_grad=True)
+    assert qkv.attention(numpy_q, numpy_q, numpy_q, score_mod=qkv.alibi(trainable_slopes)).shape == numpy_q.shape
+
+
+window = torch.zeros(3)  # a global tensor named like the attribute the rule above reads
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")  # torch's checkpoint notes
+def test_selective_activation_checkpointing_gives_the_gradients_of_the_plain_call(rng):
+    """Its dispatch mode caches operators' outputs; with the native kernel refused under every
+    dispatch mode, the torch backend ran and scaled a cached product in place (dq off by 9.7)."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    q, k, v = _float32_leaves(rng, Lq=200, Lk=200)
+    run = lambda q, k, v: qkv.attention(q, k, v, qkv.causal())  # noqa: E731
+    policy = lambda ctx, op, *args, **kwargs: CheckpointPolicy.MUST_SAVE  # noqa: E731
+    out = checkpoint(run, q, k, v, use_reentrant=False,
+                     context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
+    got = torch.autograd.grad(out.sum(), (q, k, v))
+    for g, want in zip(got, torch.autograd.grad(run(q, k, v).sum(), (q, k, v))):
+        torch.testing.assert_close(g, want, rtol=0, atol=0)
 
 
 def test_make_fx_traces_the_operators_that_compute_attention(rng):

@@ -521,13 +521,15 @@ def refuse_trainable_rules(inp: AttentionInputs):
     slopes that require grad or carry a tangent, would get no derivative from qkv's kernels: refuse them, as a float
     mask that requires grad is refused. The rule is tried once at position (0, 0, 0, 0), which
     every non-empty call evaluates too."""
+    if inp.kind != "torch":  # nothing is recorded for NumPy inputs: what rules read are constants
+        return
     slopes = [m.trainable for m in inp.score_mods if isinstance(m, masks.Alibi) and m.trainable is not None]
     if any(t.requires_grad and _arrays.grad_enabled() or _arrays.has_tangents(t) for t in slopes):
         raise ValueError("alibi slopes that require grad or carry a forward-mode tangent: qkv gives no "
                          "derivative for them. Pass slopes.detach(), or differentiate through "
                          "qkv.attention_weights(q, k, mask, score_mod=...) @ v, which records the formula "
                          "(O(Lq·Lk) memory)")
-    if inp.kind != "torch" or not _arrays.grad_enabled():
+    if not _arrays.grad_enabled():
         return
     rules = [m for m in inp.score_mods if isinstance(m, masks.ScoreFn)]
     if not rules:

@@ -20,6 +20,8 @@ Index conventions: ``b`` runs over the flattened leading (batch) dims of q,
 """
 from __future__ import annotations
 
+import dis
+import functools
 import math
 import numbers
 import sys
@@ -650,8 +652,16 @@ def _tensors_read_by(fn) -> list:
             values.append(cell.cell_contents)
         except ValueError:  # a cell not yet filled
             pass
-    values += [fn.__globals__[name] for name in code.co_names if name in fn.__globals__]
-    return [v for v in values if isinstance(v, torch.Tensor)]
+    values += [fn.__globals__[name] for name in _global_names(code) if name in fn.__globals__]
+    # inference tensors keep no version to check (and change only inside inference_mode)
+    return [v for v in values if isinstance(v, torch.Tensor) and not v.is_inference()]
+
+
+@functools.lru_cache(maxsize=256)
+def _global_names(code) -> tuple:
+    """The global names a code object loads (co_names also lists attribute names: a rule
+    reading cfg.window would seem to read a global tensor named window)."""
+    return tuple({i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")})
 
 
 def _dense_lookup(arr4, b, h, qi, ki):

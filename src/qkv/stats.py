@@ -21,8 +21,10 @@ renormalises them against the scores computed here (whose rounding differs from 
 and an lse is itself rounded by |lse| times the dtype's epsilon), so they sum to 1 and the
 statistics keep the plain formula's precision at large scores too (that pass took float32
 NumPy inputs of 8 heads x 2048 from 0.48-0.54 s to 0.66-0.87 s on 2 CPUs, paired runs; float64
-ones broke the rule without it only at scores of std 2000). Inputs in float64 are worked in float64,
-the other dtypes in float32; NumPy in, NumPy out; torch in, torch out (same device, no gradient).
+runs it only where |lse| passes 64: it broke the rule without it at scores of std 2000; the
+float64 sums of this precision cost float32 6%: 0.149-0.154 s against 0.140-0.143 for 8 heads x
+2048, causal). Inputs in float64 are worked in float64, the other dtypes in float32; NumPy in,
+NumPy out; torch in, torch out (same device, no gradient).
 """
 from __future__ import annotations
 
@@ -261,18 +263,29 @@ class _Streamer:
             return xp.where(total > 0, xp.where(xp.isfinite(top), top, 0.0) + xp.log(total), 0.0)  # no key: 0
 
     def _renormalisation(self, log_sums):
-        """(shift of the log-weights, factor of the weights) that renormalise by log_sums.
+        """(shift of the log-weights, the rest of log_sums, factor of the weights) that
+        renormalise by log_sums, in the compute dtype (float64 ones would widen every tile).
 
         A small log_sums goes into the factor: a shift of the logs by it would be lost in
         float32, whose logs near -log(Lk) are rounded to |log w|·6e-8, the same way for every
         key of a near-uniform row (entropy of 5000 such keys off by 3.5e-6). A large one is a
         shift: as a factor, it would overflow or underflow.
         """
-        if isinstance(log_sums, float):  # no key tile: nothing to renormalise
-            return 0.0, 1.0
-        xp = self.xp
+        if isinstance(log_sums, float):  # no key tile, or nothing to renormalise
+            return 0.0, 0.0, 1.0
+        xp, cdt = self.xp, self.cdt
         shift = xp.where(xp.abs(log_sums) > 1, log_sums, 0.0)
-        return shift, _arrays.astype(xp.exp(shift - log_sums), self.cdt)
+        rest = log_sums - shift
+        return _arrays.astype(shift, cdt), _arrays.astype(rest, cdt), _arrays.astype(xp.exp(-rest), cdt)
+
+    def _needs_renormalising(self, lse) -> bool:
+        """float32 always; float64 only at large |lse|, whose rounding (|lse|·1.1e-16, as is the
+        scores' own here) reaches the statistics' atol of 1e-12 past a few hundred (off by 7e-12
+        at scores of std 2000). Below 64 the pass would double the work for nothing."""
+        if self.cdt != "float64":
+            return True
+        finite = lse[self.xp.isfinite(lse)]  # 1-D
+        return finite.shape[0] > 0 and float(abs(finite).max()) > 64
 
     def _query_tile(self, res, received, t: int, q0: int):
         """Every key tile against the query rows [q0, q0 + block_q)."""
@@ -281,17 +294,17 @@ class _Streamer:
         q = _arrays.astype(inp.q[:, :, q0:q1], self.cdt)  # (B, Hq, bq, D)
         qi = np.arange(q0, q1)
         lse = self.safe_lse[:, :, q0:q1]  # (B, Hq, bq, 1)
-        log_sums = self._log_sums(t, q, qi, lse)
+        log_sums = self._log_sums(t, q, qi, lse) if self._needs_renormalising(lse) else 0.0
         entropy, best, top = res.entropy[:, :, q0:q1], None, None  # entropy: a view, summed into
         if self.topk:
             top = (res.topk_weights[:, :, q0:q1], res.topk_indices[:, :, q0:q1])
-        shift, norm = self._renormalisation(log_sums)
+        shift, rest, norm = self._renormalisation(log_sums)
         for k0, k1, kind, z in self._key_tiles(t, q, qi):
             z -= lse  # log of the weights before renormalising, in place
             z -= shift
             w = xp.exp(z)  # (B, Hq, bq, bk) the weights of this tile
             w *= norm
-            z -= log_sums - shift  # log of the weights
+            z -= rest  # log of the weights
             tile_best = _amax(z, -1)  # (B, Hq, bq)
             best = tile_best if best is None else xp.maximum(best, tile_best)
             received[:, :, k0:k1] += w.sum(-2)

@@ -145,9 +145,9 @@ class NativeBackend(Backend):
             subclass = next((type(x) for x in (inp.q, inp.k, inp.v) if type(x) not in plain), None)
             if subclass is not None:  # a FakeTensor has no memory: the kernel would read freed or no memory
                 reasons.append(f"a tensor subclass ({subclass.__name__}) whose memory the kernel cannot read")
-            elif _dispatch_mode_active():
-                reasons.append("a torch dispatch mode is active (make_fx, FakeTensorMode, FlopCounterMode...): "
-                               "it would not see the kernel's work, which torch's operators do not do")
+            elif _tracing_mode_active():
+                reasons.append("a tracing dispatch mode is active (make_fx, FakeTensorMode): it would record the "
+                               "kernel's output but not the kernel; torch's operators it can trace")
         return reasons
 
     def on_amx(self, inp):
@@ -271,12 +271,16 @@ def _empty(kind, dtype, shape):
     return np.empty(shape, dtype=dtype)
 
 
-def _dispatch_mode_active() -> bool:
-    """Whether a torch dispatch mode intercepts operators now: make_fx would trace only the
-    kernel's empty output, a FlopCounterMode count nothing of it."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
+def _tracing_mode_active() -> bool:
+    """Whether a dispatch mode that traces operators is active: make_fx's (it would record only
+    the kernel's empty output, and the traced graph return uninitialised memory) or a
+    FakeTensorMode. Other modes (selective checkpointing, FlopCounterMode) see no kernel work
+    but get the right results, so the kernel runs under them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-    return _get_current_dispatch_mode() is not None
+    return any(isinstance(mode, (ProxyTorchDispatchMode, FakeTensorMode)) for mode in _get_current_dispatch_mode_stack())
 
 
 def kernel_extras(inp, blocks) -> dict:
