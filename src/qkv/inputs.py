@@ -269,28 +269,31 @@ class AttentionInputs:
     def lse_shape(self) -> tuple:
         return self.batch_shape + self.head_shape + (self.Lq,)
 
-    def _rules(self) -> list:
-        return ([self.mask] if self.mask is not None else []) + list(self.score_mods)
+    def _read_by_rules(self) -> tuple[list, list]:
+        """(the arrays of dense masks and biases, the torch tensors the user's rules read
+        directly) in the mask and score modifiers."""
+        rules = ([self.mask] if self.mask is not None else []) + list(self.score_mods)
+        return ([a for rule in rules for a in masks.held_arrays(rule)],
+                [t for rule in rules for t in masks.tensors_rules_read(rule)])
 
     def held_tensors(self) -> tuple:
         """The torch tensors of the mask and score modifiers, which a backward reads again (and
         checks for changes in place): dense masks, biases, and the tensors the user's rules read
         directly. A NumPy dense mask or bias is refused: its changes would go unseen."""
-        held = [a for rule in self._rules() for a in masks.held_arrays(rule)]
-        if not all(_arrays.is_torch(a) for a in held):
+        dense, read = self._read_by_rules()
+        if not all(_arrays.is_torch(a) for a in dense):
             raise TypeError("a dense mask or bias holds a NumPy array, and torch inputs record gradients: the "
                             "backward reads it again and could not tell if it changed in place; pass it as a "
                             "torch tensor (torch.from_numpy(array))")
-        return tuple(held) + tuple(t for rule in self._rules() for t in masks.tensors_rules_read(rule))
+        return tuple(dense) + tuple(read)
 
     def carries_tangents(self) -> bool:
         """Whether forward-mode AD gave a tangent to q, k, v or a torch tensor the mask and
         score modifiers read (torch inputs)."""
         if not _arrays.forward_ad_active():  # the common case, answered without walking the rules
             return False
-        held = [a for rule in self._rules() for a in masks.held_arrays(rule) if _arrays.is_torch(a)]
-        read = [t for rule in self._rules() for t in masks.tensors_rules_read(rule)]
-        return _arrays.has_tangents(self.q, self.k, self.v, *held, *read)
+        dense, read = self._read_by_rules()
+        return _arrays.has_tangents(self.q, self.k, self.v, *(a for a in dense if _arrays.is_torch(a)), *read)
 
     def to_caller(self, out, lse):
         """A backend's (out, lse), (B, Hq, Lq, Dv) and (B, Hq, Lq) or None, in the caller's shapes."""
@@ -518,9 +521,9 @@ def _refuse_function_transforms():
 
 def refuse_trainable_rules(inp: AttentionInputs):
     """A score_fn that reads tensors which require grad (a learned relative bias, say), or alibi
-    slopes that require grad or carry a tangent, would get no derivative from qkv's kernels: refuse them, as a float
-    mask that requires grad is refused. The rule is tried once at position (0, 0, 0, 0), which
-    every non-empty call evaluates too."""
+    slopes that require grad or carry a tangent, would get no derivative from qkv's kernels:
+    refuse them, as a float mask that requires grad is refused. The rule is tried once at
+    position (0, 0, 0, 0), which every non-empty call evaluates too."""
     if inp.kind != "torch":  # nothing is recorded for NumPy inputs: what rules read are constants
         return
     slopes = [m.trainable for m in inp.score_mods if isinstance(m, masks.Alibi) and m.trainable is not None]
