@@ -394,7 +394,8 @@ window = torch.zeros(3)  # a global tensor named like the attribute the rule abo
 @pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")  # torch's checkpoint notes
 def test_selective_activation_checkpointing_gives_the_gradients_of_the_plain_call(rng):
     """Its dispatch mode caches operators' outputs; with the native kernel refused under every
-    dispatch mode, the torch backend ran and scaled a cached product in place (dq off by 9.7)."""
+    dispatch mode, the torch backend ran and scaled a cached product in place (dq off by 9.7).
+    The torch backend, which changes its tiles in place, is refused there by name."""
     import functools
 
     from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -407,6 +408,10 @@ def test_selective_activation_checkpointing_gives_the_gradients_of_the_plain_cal
     got = torch.autograd.grad(out.sum(), (q, k, v))
     for g, want in zip(got, torch.autograd.grad(run(q, k, v).sum(), (q, k, v))):
         torch.testing.assert_close(g, want, rtol=0, atol=0)
+    on_torch = lambda q, k, v: qkv.attention(q, k, v, qkv.causal(), backend="torch")  # noqa: E731
+    with pytest.raises(qkv.BackendError, match="selective activation checkpointing caches operators' outputs"):
+        checkpoint(on_torch, q, k, v, use_reentrant=False,
+                   context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
 
 
 def test_make_fx_traces_the_operators_that_compute_attention(rng):

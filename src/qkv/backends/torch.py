@@ -183,6 +183,17 @@ def backward_tiled(inp, q, k, v, out, lse, dout, dlse, keep_sum_dtype=False, lse
     return grads if keep_sum_dtype else tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
 
 
+def _selective_checkpointing() -> bool:
+    """Whether selective activation checkpointing's dispatch mode caches operators' outputs now."""
+    try:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+        from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
+    except ImportError:  # a torch without them (they are private): nothing to see
+        return False
+    modes = (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
+    return any(isinstance(mode, modes) for mode in _get_current_dispatch_mode_stack())
+
+
 def scaled_scores(q, k, scale):
     """scale·(q·kᵀ) for q (r, n, D) and k (r, bk, D): scaled after the product, as the plain
     formula rounds it. A scale folded into q first rounds each of q's elements once more,
@@ -226,6 +237,12 @@ class TorchBackend(Backend):
         except ImportError:
             return "PyTorch is not installed (pip install qkv[torch])"
         return None
+
+    def extra_reasons(self, inp):
+        if _selective_checkpointing():
+            return ["selective activation checkpointing caches operators' outputs, which this backend's tiles "
+                    "change in place (the recompute would read them changed: dq off by 9.7)"]
+        return []
 
     def block_sizes(self, inp):
         return choose_blocks(inp.B * inp.Hkv, inp.group, inp.Lq, inp.Lk)
