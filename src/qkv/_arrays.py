@@ -86,6 +86,13 @@ def forward_ad_active() -> bool:
     return sys.modules["torch"].autograd.forward_ad._current_level >= 0
 
 
+def dispatch_mode_active(*mode_types) -> bool:
+    """Whether a torch dispatch mode of one of these types intercepts operators now."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return any(isinstance(mode, mode_types) for mode in _get_current_dispatch_mode_stack())
+
+
 def has_tangents(*tensors) -> bool:
     """Whether forward-mode AD (torch.autograd.forward_ad) gave any of the tensors a tangent."""
     forward_ad = sys.modules["torch"].autograd.forward_ad

@@ -278,9 +278,8 @@ def _tracing_mode_active() -> bool:
     but get the right results, so the kernel runs under them."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-    return any(isinstance(mode, (ProxyTorchDispatchMode, FakeTensorMode)) for mode in _get_current_dispatch_mode_stack())
+    return _arrays.dispatch_mode_active(ProxyTorchDispatchMode, FakeTensorMode)
 
 
 def kernel_extras(inp, blocks) -> dict:

@@ -11,6 +11,7 @@ import functools
 
 import numpy as np
 
+from .. import _arrays
 from ..masks import EMPTY, runs_user_rule
 from .base import (Backend, Capabilities, autograd_attention, cdiv, compute_dtype_name, dropout_bytes_per_score,
                    nbytes, row_tile_classes, saved_output_bytes, split_lse, tile_workspace)
@@ -186,12 +187,10 @@ def backward_tiled(inp, q, k, v, out, lse, dout, dlse, keep_sum_dtype=False, lse
 def _selective_checkpointing() -> bool:
     """Whether selective activation checkpointing's dispatch mode caches operators' outputs now."""
     try:
-        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
         from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
     except ImportError:  # a torch without them (they are private): nothing to see
         return False
-    modes = (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
-    return any(isinstance(mode, modes) for mode in _get_current_dispatch_mode_stack())
+    return _arrays.dispatch_mode_active(_CachingTorchDispatchMode, _CachedTorchDispatchMode)
 
 
 def scaled_scores(q, k, scale):
