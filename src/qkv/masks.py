@@ -887,8 +887,9 @@ def alibi(slopes) -> ScoreMod:
     """ALiBi: adds -slopes[h] * |i' - j| (i' = i + Lk - Lq) to every score.
 
     slopes: (Hq,), one finite number per query head (``qkv.positional.alibi_slopes(Hq)``
-    gives the usual ones). Slopes that require grad are for ``attention_weights`` only:
-    ``attention`` refuses them while gradients are recorded.
+    gives the usual ones). Slopes that require grad or carry a forward-mode tangent are for
+    ``attention_weights`` only: ``attention`` refuses them (those that require grad only while
+    gradients are recorded).
     """
     return Alibi(slopes)
 

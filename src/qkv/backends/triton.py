@@ -66,7 +66,8 @@ class TritonBackend(Backend):
         return super().automatic_refusal(inp)
 
     def extra_reasons(self, inp):
-        return _mask_reasons(inp) + _grid_reasons(inp) + _bfloat16_reasons(inp) + _interpreter_reasons(inp)
+        return (_mask_reasons(inp) + _grid_reasons(inp) + _bfloat16_reasons(inp) + _scale_reasons(inp)
+                + _interpreter_reasons(inp))
 
     def forward(self, inp):
         call = _Call(inp, _plan_masks(inp))
@@ -126,15 +127,17 @@ class _MaskPlan:
 MAX_SCALE = float(np.finfo(np.float32).max) / math.log2(math.e)
 
 
-def _interpreter_reasons(inp) -> list[str]:
-    """Reasons of the scale and of how triton was loaded."""
-    reasons = []
+def _scale_reasons(inp) -> list[str]:
     if abs(inp.scale) > MAX_SCALE:
-        reasons.append(f"a scale above {MAX_SCALE:.3g} (the kernels work in log2 units: scale·log2(e) would "
-                       "overflow float32)")
+        return [f"a scale above {MAX_SCALE:.3g} (the kernels work in log2 units: scale·log2(e) would overflow "
+                "float32)"]
+    return []
+
+
+def _interpreter_reasons(inp) -> list[str]:
     if inp.device.startswith("cpu") and interpreting() and not _loaded_interpreting():
-        reasons.append("TRITON_INTERPRET=1 was set after triton was imported: set it before, for the interpreter")
-    return reasons
+        return ["TRITON_INTERPRET=1 was set after triton was imported: set it before, for the interpreter"]
+    return []
 
 
 def _loaded_interpreting() -> bool:
