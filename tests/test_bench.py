@@ -1,6 +1,7 @@
 """`qkv bench`: it measures what it says, on tiny shapes (timings are never asserted)."""
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -23,6 +24,12 @@ def test_a_small_run_reports_every_implementation_with_ratios(tmp_path, capsys):
         assert row["error"] is None and row["unit"] == "GFLOP/s"  # times are reported, never asserted
         assert row["rate"] == pytest.approx(4 * 2 * 64 * 64 * 16 / row["seconds"] / 1e9)
     assert rows["torch sdpa"]["ratio_to_torch"] == pytest.approx(1.0)
+    assert all(row["check"] == "ok" for row in rows.values())  # every output checked against float64
+    assert all(len(row["times"]) == 2 and statistics.median(row["times"]) == row["seconds"] for row in rows.values())
+    assert report["settings"] == {"repeats": 2, "settle_seconds": bench.SETTLE_SECONDS, "peers": False,
+                                  "baseline": "torch sdpa", "checked_rows": bench.CHECKED_ROWS}
+    [workload] = report["workloads"]
+    assert (workload["Hq"], workload["Lq"], workload["D"], workload["flops"]) == (2, 64, 16, 4 * 2 * 64 * 64 * 16)
     assert report["machine"]["torch"] and report["machine"]["qkv"]
     native = dispatch.REGISTRY["native"]
     if native.missing() is None:  # the threads the kernel ran on, not the CPUs
@@ -123,8 +130,62 @@ def test_causal_work_is_the_pairs_a_top_left_mask_allows(Lq, Lk, monkeypatch):
     np.testing.assert_array_equal(masks[0].materialize(Lq, Lk), allowed)
 
 
+def _fake_implementations(impls: dict):
+    """implementations() replaced: name -> the function a timed call runs."""
+    return lambda w, peers=True: {name: (lambda run=run: run) for name, run in impls.items()}
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_a_wrong_result_is_marked_however_fast(backward, tmp_path, monkeypatch, capsys):
+    """A fast wrong answer is not a result: each implementation's first output (dq with the
+    backward) is checked against float64, and a qkv row that breaks the rule fails the command."""
+    w = bench.Workload("w", 1, 4, 2, 40, 20, 16, causal=True, backward=backward)
+    right = bench._qkv_impl(w, "torch")()
+    off = (lambda: tuple(g * 1.001 for g in right())) if backward else (lambda: right() * 1.001)
+    monkeypatch.setattr(bench, "implementations", _fake_implementations(
+        {"qkv right": right, "torch sdpa": bench._torch_sdpa_impl(w)(), "qkv off": off}))
+    rows = {r.impl: r for r in bench.measure_workload(w, 1, peers=False)}
+    assert rows["qkv right"].check == rows["torch sdpa"].check == "ok"
+    assert rows["qkv off"].wrong and "from float64 (the rule allows" in rows["qkv off"].check
+    assert rows["qkv off"].ratio_to_torch  # still timed: the mark says what it is worth
+
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--shape", "1,4,2,40,20,16", "--causal", "--repeats", "1", "--json", str(out)]
+    assert cli.main(argv + ["--backward"] * backward) == 1
+    assert "qkv off: WRONG output, off by" in capsys.readouterr().out
+    assert [note.split(": ")[0] for note in json.loads(out.read_text())["notes"] if "WRONG" in note] == [
+        f"{'fwd+bwd' if backward else 'fwd'} causal float32 B=1 Hq=4 Hkv=2 Lq=40 Lk=20 D=16 / qkv off"]
+
+
+def test_the_checked_rows_span_the_sequence():
+    assert bench.checked_rows(1).tolist() == [0]
+    assert bench.checked_rows(5).tolist() == [0, 1, 2, 3, 4]
+    rows = bench.checked_rows(4096)
+    assert len(rows) == bench.CHECKED_ROWS and rows[0] == 0 and rows[-1] == 4095
+
+
+def test_gpu_ratios_are_against_the_flash_row_alone(monkeypatch):
+    """Where torch's flash kernel does not run, there is no ratio: not one against cuDNN."""
+    def fails():
+        raise RuntimeError("No available kernel")
+    timed = (lambda: (lambda: None))
+    monkeypatch.setattr(bench, "OutputCheck", lambda w: lambda result: "ok")
+    monkeypatch.setattr(bench, "_synchronizer", lambda device: lambda: None)
+    monkeypatch.setattr(bench, "_peak_mib", lambda call, device: None)
+    w = bench.Workload("w", 1, 2, 2, 64, 64, 16, device="cuda")
+    for flash in (timed, fails):
+        monkeypatch.setattr(bench, "implementations", lambda w, peers=True: {
+            "qkv triton": timed, "torch sdpa (flash)": flash, "torch sdpa (cudnn)": timed})
+        rows = {r.impl: r for r in bench.measure_workload(w, 1, peers=False)}
+        assert (rows["qkv triton"].ratio_to_torch is not None) == (flash is timed)
+        assert rows["torch sdpa (cudnn)"].ratio_to_torch is None or flash is timed
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--shape", "1,4,2,1,4096,16", "--causal"], "--causal is top-left aligned .* would read only its first Lq keys"),
+    (["--distributed", "2", "--repeats", "5"], "--distributed takes no other option (got --repeats)"),
+    (["--distributed", "2", "--device", "cpu"], "--distributed takes no other option (got --device)"),
+    (["--device", "cuda", "--shape", "1,2,64,16", "--sweep"], "--sweep runs on CPU"),
     (["--shape", "1,2,64,16", "--sweep", "--json", "same.png", "--plot", "same.png"],
      "--json and --plot name one file: the plot would overwrite the JSON"),
 ])

@@ -7,7 +7,10 @@ implementation, the share of pairs it allows, half for Lq = Lk; 2.5x for the bac
 or, for decoding, as GB/s of K/V read, beside a plain read of as many bytes (torch's sum)
 timed in the same rounds, so the share of the memory's bandwidth compares like with like;
 the ratio to torch's own `scaled_dot_product_attention`; and the peak memory a call added
-(resident set, Linux).
+(resident set, Linux). Each implementation's first output is checked against float64 on
+sampled query rows (the output, or dq with the backward) under the tolerance rule, and a row
+that breaks it is marked: a fast wrong answer is not a result (and a qkv one makes the
+command exit with status 1).
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from . import attention, causal, dispatch
+from .backends.base import ATOL, max_error
 from ._memory import peak_growth
 from ._paths import output_file
 from ._threads import available_cpus, cpu_name
@@ -78,7 +82,12 @@ class Result:
     share_of_read: float | None = None  # decoding: rate / the plain read's rate in the same rounds
     peak_mib: float | None = None
     error: str | None = None
-    extra: dict = field(default_factory=dict)
+    check: str | None = None  # "ok", or how far the first output was from float64 and the bound
+    times: list[float] = field(default_factory=list)  # every timed round, seconds
+
+    @property
+    def wrong(self) -> bool:
+        return self.check is not None and self.check != "ok"
 
 
 def default_suite() -> list[Workload]:
@@ -165,11 +174,14 @@ def _inputs(w: Workload, kind: str, requires_grad: bool = False):
 
 
 def _with_backward(run, tensors):
-    """A call that runs forward and backward (gradient of out.sum()) and drops the gradients."""
+    """A call that runs forward and backward (gradient of out.sum()) and returns the gradients,
+    leaving none behind on the inputs."""
     def call():
         run().sum().backward()
+        grads = tuple(t.grad for t in tensors)
         for t in tensors:
             t.grad = None
+        return grads
     return call
 
 
@@ -235,6 +247,64 @@ def _flex_impl(w):
     return setup
 
 
+# ---- checking ---------------------------------------------------------------------------------
+#: Query rows per batch and head whose results are checked (every row of a shorter problem).
+CHECKED_ROWS = 32
+
+
+def checked_rows(Lq: int) -> np.ndarray:
+    """Query rows spread evenly over the sequence, the first and the last among them."""
+    return np.unique(np.linspace(0, Lq - 1, min(Lq, CHECKED_ROWS)).round().astype(np.int64))
+
+
+def _plain_formula(w: Workload, rows: np.ndarray, dtype) -> np.ndarray:
+    """The output on the given query rows, or their dq with the backward, by the plain formula
+    in `dtype` on the workload's inputs: softmax(q·kᵀ/√D)·v, top-left causal where asked. A
+    row's output and dq depend on its own query row alone, so a few rows cost little."""
+    import torch
+
+    q, k, v = (x.detach().cpu().to(dtype) for x in _inputs(w, "torch"))
+    group, R = w.Hq // w.Hkv, len(rows)
+    q = q[:, :, torch.from_numpy(rows)].reshape(w.B, w.Hkv, group * R, w.D)  # a KV head's query rows together
+    q.requires_grad_(w.backward)
+    scores = q @ k.transpose(-1, -2) * w.D ** -0.5                           # (B, Hkv, group·R, Lk)
+    if w.causal:
+        last_key = torch.from_numpy(rows).repeat(group)[:, None]              # query i sees keys j <= i
+        scores = scores.masked_fill(torch.arange(w.Lk) > last_key, float("-inf"))
+    out = torch.softmax(scores, -1) @ v                                      # (B, Hkv, group·R, D)
+    if w.backward:
+        out.sum().backward()
+        out = q.grad
+    return out.detach().reshape(w.B, w.Hq, R, w.D).double().numpy()
+
+
+class OutputCheck:
+    """Checks an implementation's first result (its output, or its gradients with the backward)
+    against float64 on the checked rows, under the tolerance rule: off by at most twice what the
+    plain formula loses in the workload's dtype plus ATOL (times max(1, max|dq|) for dq, as the
+    gradient tests scale it)."""
+
+    def __init__(self, w: Workload):
+        import torch
+
+        self.rows = checked_rows(w.Lq)
+        self.want = _plain_formula(w, self.rows, torch.float64)
+        reference_err = max_error(_plain_formula(w, self.rows, getattr(torch, w.dtype)), self.want)
+        magnitude = max(1.0, float(np.abs(self.want).max(initial=0.0))) if w.backward else 1.0
+        self.bound = 2 * reference_err + ATOL[w.dtype] * magnitude
+
+    def __call__(self, result) -> str:
+        got = result[0] if isinstance(result, tuple) else result  # dq, with the backward
+        if hasattr(got, "detach"):  # a tensor, perhaps on a GPU: its checked rows only cross to the host
+            import torch
+
+            got = got.detach()[:, :, torch.from_numpy(self.rows)].cpu().double().numpy()
+        else:
+            got = np.asarray(got, dtype=np.float64)[:, :, self.rows]
+        err = max_error(got, self.want)
+        return "ok" if err <= self.bound else f"off by {err:.1e} from float64 (the rule allows {self.bound:.1e})"
+
+
 # ---- measuring --------------------------------------------------------------------------------
 def _peak_mib(call, device: str) -> float | None:
     """Peak memory one call adds, in MiB (resident set on CPU, allocator peak on a GPU); None
@@ -252,6 +322,8 @@ def _peak_mib(call, device: str) -> float | None:
     return (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
+DEFAULT_REPEATS = 5
+
 #: Idle time before each timed call. OpenMP pools (torch's, BLAS's) keep spinning for a few
 #: milliseconds after a call; on a machine with few cores that steals a core from whichever
 #: implementation runs next, so each one starts on an idle machine instead.
@@ -267,18 +339,27 @@ def _synchronizer(device: str):
     return torch.cuda.synchronize
 
 
+def baseline(device: str) -> str:
+    """The row every ratio is taken against: torch's SDPA (its flash kernel on a GPU)."""
+    return "torch sdpa" if device == "cpu" else "torch sdpa (flash)"
+
+
 def measure_workload(w: Workload, repeats: int, peers: bool, progress=None) -> list[Result]:
-    calls, results = {}, {}
+    calls, results, checks = {}, {}, {}
     sync = _synchronizer(w.device)
+    check = OutputCheck(w)
     for name, setup in implementations(w, peers).items():
         try:
             call = setup()
-            call()  # warm-up (compiles what compiles)
+            first = call()  # warm-up (compiles what compiles), and the result checked
             sync()
             calls[name] = call
             results[name] = []
         except Exception as error:  # a peer that does not run here is reported, not fatal
             results[name] = error
+        else:
+            checks[name] = None if name == MEMORY_READ else check(first)
+            del first
         if progress:
             progress()
     for _ in range(repeats):  # interleaved: every implementation once per round
@@ -303,8 +384,9 @@ def measure_workload(w: Workload, repeats: int, peers: bool, progress=None) -> l
             rate, unit = w.flops() / seconds / 1e9, "GFLOP/s"
         else:
             rate, unit = w.flops() / seconds / 1e12, "TFLOP/s"
-        rows.append(Result(w.name, name, seconds, rate, unit, peak_mib=_peak_mib(calls[name], w.device)))
-    torch_time = next((r.seconds for r in rows if r.impl.startswith("torch sdpa") and r.seconds), None)
+        rows.append(Result(w.name, name, seconds, rate, unit, peak_mib=_peak_mib(calls[name], w.device),
+                           check=checks[name], times=times))
+    torch_time = next((r.seconds for r in rows if r.impl == baseline(w.device) and r.seconds), None)
     read_rate = next((r.rate for r in rows if r.impl == MEMORY_READ and r.rate), None)
     for r in rows:
         if r.seconds and torch_time and r.impl != MEMORY_READ:
@@ -390,8 +472,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--shape", action="append", type=parse_shape, default=[],
                         help="B,H,L,D or B,Hq,Hkv,Lq,Lk,D (repeatable); replaces the default suite")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="dtype of --shape workloads")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                        help="cuda: qkv's triton kernel against torch's flash and cuDNN SDPA and flex_attention; "
+    parser.add_argument("--device", choices=["cpu", "cuda"],
+                        help="cpu (the default), or cuda: qkv's triton kernel against torch's flash and cuDNN SDPA and flex_attention; "
                              "the default suite becomes bfloat16 forward and backward at head dims 64 and 128, "
                              "L 512 to 16k")
     parser.add_argument("--causal", action="store_true",
@@ -400,7 +482,8 @@ def add_arguments(parser) -> None:
                              "they read, of which they would read Lq keys)")
     parser.add_argument("--backward", action="store_true", help="--shape workloads include the backward")
     parser.add_argument("--sweep", action="store_true", help="also sweep the sequence length (for --plot; CPU)")
-    parser.add_argument("--repeats", type=positive_int, default=5, help="timed rounds per workload (median reported)")
+    parser.add_argument("--repeats", type=positive_int,
+                        help=f"timed rounds per workload, the median reported (default {DEFAULT_REPEATS})")
     parser.add_argument("--no-peers", action="store_true", help="skip torch flex_attention (slow to compile)")
     parser.add_argument("--json", metavar="PATH", type=output_file(), help="write every result and the machine as JSON")
     parser.add_argument("--plot", metavar="PNG", type=output_file((".png",)),
@@ -412,7 +495,9 @@ def add_arguments(parser) -> None:
 
 
 def check_arguments(parser, args) -> None:
-    """Combinations of options that cannot run: parser.error (one line, exit status 2) before any work."""
+    """Combinations of options that cannot run: parser.error (one line, exit status 2) before any work.
+    Then the defaults of --device and --repeats (None until here, so that --distributed can tell
+    them given) are filled in."""
     if args.distributed is not None:
         others = [f"--{dest.replace('_', '-')}" for dest in ("shape", "dtype", "device", "causal", "backward",
                                                             "sweep", "repeats", "no_peers", "json", "plot")
@@ -420,8 +505,11 @@ def check_arguments(parser, args) -> None:
         if others:
             parser.error(f"--distributed takes no other option (got {', '.join(others)}); "
                          "python -m qkv.bench_distributed takes the ring benchmark's options")
-    if args.plot and not (args.sweep and args.device == "cpu"):
-        parser.error("--plot needs --sweep on CPU (it plots the sequence-length sweep)")
+    args.device, args.repeats = args.device or "cpu", args.repeats or DEFAULT_REPEATS
+    if args.sweep and args.device != "cpu":
+        parser.error("--sweep runs on CPU (the cuda suite sweeps the sequence length already)")
+    if args.plot and not args.sweep:
+        parser.error("--plot needs --sweep (it plots the sequence-length sweep)")
     if args.json and args.plot and os.path.realpath(args.json) == os.path.realpath(args.plot):
         parser.error("--json and --plot name one file: the plot would overwrite the JSON")
     decoding = [w.name for w in args.shape if w.decoding]  # rated in GB/s of K and V
@@ -441,7 +529,6 @@ def run(args) -> int:
         return bench_distributed.main(["--world", str(args.distributed)]) or 0
     from rich.console import Console
     from rich.progress import Progress
-    from rich.table import Table
 
     console = Console(width=None if os.isatty(1) else 130)
     if args.device == "cuda" and not _cuda_available():
@@ -452,7 +539,7 @@ def run(args) -> int:
         w.dtype = args.dtype or w.dtype
         w.causal, w.backward, w.device = args.causal, args.backward, args.device
         w.name = f"{'fwd+bwd' if w.backward else 'fwd'}{' causal' if w.causal else ''} {w.dtype} {w.name}"
-    if args.sweep and args.device == "cpu":  # the cuda suite sweeps the length already
+    if args.sweep:
         workloads = workloads + sweep_suite()
     info = machine()
     if args.device == "cuda":
@@ -468,40 +555,59 @@ def run(args) -> int:
             steps = len(implementations(w, not args.no_peers)) + args.repeats
             task = bar.add_task(w.name, total=steps)
             results += measure_workload(w, args.repeats, not args.no_peers, lambda: bar.advance(task))
-    table = Table(title=f"qkv bench, {info['date']}")
-    for col in ("workload", "implementation", "time (ms)", "throughput", "vs torch sdpa", "peak MiB"):
+    base = baseline(args.device)
+    console.print(_table(results, info["date"], base))
+    notes = _notes(results, workloads)
+    for note in notes:
+        console.print(note, style="red" if "WRONG" in note else "dim", markup=False)
+    if args.json:
+        settings = {"repeats": args.repeats, "settle_seconds": SETTLE_SECONDS if args.device == "cpu" else 0.0,
+                    "peers": not args.no_peers, "baseline": base, "checked_rows": CHECKED_ROWS}
+        sizes = [{**asdict(w), "flops": w.flops(), "bytes_read": w.bytes_read() if w.decoding else None}
+                 for w in workloads]
+        with open(args.json, "w") as f:
+            json.dump({"machine": info, "settings": settings, "workloads": sizes,
+                       "results": [asdict(r) for r in results], "notes": notes}, f, indent=2)
+    if args.plot:
+        plot(results, args.plot, info)
+        console.print(f"plot written to {args.plot}")
+    nothing_ran = sorted({r.workload for r in results} - {r.workload for r in results if not r.error})
+    if nothing_ran:
+        console.print(f"nothing ran for {', '.join(nothing_ran)}")
+    return 1 if nothing_ran or any(r.wrong and r.impl.startswith("qkv ") for r in results) else 0
+
+
+def _table(results: list[Result], date: str, base: str):
+    from rich.table import Table
+
+    table = Table(title=f"qkv bench, {date}")
+    for col in ("workload", "implementation", "time (ms)", "throughput", f"vs {base}", "peak MiB", "output"):
         table.add_column(col, justify="left" if col in ("workload", "implementation") else "right")
     for r in results:
         if r.error:
-            table.add_row(r.workload, r.impl, "-", "-", "-", "-", style="dim")
+            table.add_row(r.workload, r.impl, "-", "-", "-", "-", "-", style="dim")
             continue
         share = f" ({100 * r.share_of_read:.0f}%)" if r.share_of_read and r.impl != MEMORY_READ else ""
         table.add_row(r.workload, r.impl, f"{r.seconds * 1e3:.1f}", f"{r.rate:.1f} {r.unit}{share}",
                       f"{r.ratio_to_torch:.2f}x" if r.ratio_to_torch else "-",
-                      f"{r.peak_mib:.1f}" if r.peak_mib is not None else "-")
-    console.print(table)
-    for r in results:
-        if r.error:
-            console.print(f"[dim]{r.workload} / {r.impl}: did not run ({r.error})[/dim]")
-    for w in workloads:
-        left_out = _left_out(w)
-        if left_out:
-            console.print(f"[dim]{w.name}: left out {', '.join(left_out)}[/dim]")
-    nothing_ran = sorted({r.workload for r in results} - {r.workload for r in results if not r.error})
+                      f"{r.peak_mib:.1f}" if r.peak_mib is not None else "-",
+                      "-" if r.check is None else "WRONG" if r.wrong else "ok", style="red" if r.wrong else None)
+    return table
+
+
+def _notes(results: list[Result], workloads: list[Workload]) -> list[str]:
+    """What the table leaves out: results that failed their check, implementations that did not
+    run or sat out, and how decoding's share is taken."""
+    notes = [f"{r.workload} / {r.impl}: WRONG output, {r.check}" for r in results if r.wrong]
+    notes += [f"{r.workload} / {r.impl}: did not run ({r.error})" for r in results if r.error]
+    notes += [f"{w.name}: left out {', '.join(_left_out(w))}" for w in workloads if _left_out(w)]
     if any(r.impl == MEMORY_READ and r.rate for r in results):
-        console.print(f"decoding: (n%) is the share of the '{MEMORY_READ}' row's rate, a sum over as many bytes "
-                      "as K and V hold, timed in the same rounds (medians of both)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": info, "results": [asdict(r) for r in results]},
-                      f, indent=2)
-    if args.plot:
-        plot(results, args.plot, info)
-        console.print(f"plot written to {args.plot}")
-    if nothing_ran:
-        console.print(f"nothing ran for {', '.join(nothing_ran)}")
-        return 1
-    return 0
+        notes.append(f"decoding: (n%) is the share of the '{MEMORY_READ}' row's rate, a sum over as many bytes "
+                     "as K and V hold, timed in the same rounds (medians of both)")
+    if any(r.check for r in results):
+        notes.append(f"output: each result checked against float64 on {CHECKED_ROWS} query rows per head (the "
+                     "output, or dq with the backward), under the tolerance rule")
+    return notes
 
 
 def plot(results: list[Result], path: str, info: dict) -> None:

@@ -75,7 +75,7 @@ def _check_one(name, backend, dtype, arrays64, references: dict):
     """(what was measured, whether it is within the rule) for one backend in one dtype.
     references keeps the oracle's two runs per kind of input, which every backend shares."""
     import qkv
-    from qkv.backends.base import within_rule
+    from qkv.backends.base import max_error, within_rule
 
     on_cpu = backend.accepts_device("cpu")
     as_torch = dtype == "bfloat16" or "numpy" not in backend.caps.kinds or not on_cpu
@@ -88,8 +88,8 @@ def _check_one(name, backend, dtype, arrays64, references: dict):
             qkv.attention(*map(_to_cpu, arrays), qkv.causal(), backend="reference", return_lse=True))  # in dtype
     oracle, in_dtype = references[dtype, as_torch]
     got = qkv.attention(*arrays, qkv.causal(), backend=name, return_lse=True)
-    errors = [_max_err(g, want) for g, want in zip(got, oracle)]
-    reference_errors = [_max_err(r, want) for r, want in zip(in_dtype, oracle)]
+    errors = [max_error(_to_cpu(g), want) for g, want in zip(got, oracle)]
+    reference_errors = [max_error(_to_cpu(r), want) for r, want in zip(in_dtype, oracle)]
     ok = all(within_rule(e, r, dtype) for e, r in zip(errors, reference_errors))
     return f"max error out {errors[0]:.1e}, lse {errors[1]:.1e} (plain formula in {dtype}: " \
            f"{reference_errors[0]:.1e}, {reference_errors[1]:.1e})", ok
@@ -99,14 +99,6 @@ def _to_cpu(x):
     return x.cpu() if hasattr(x, "cpu") else x
 
 
-def _max_err(got, want) -> float:
-    """Largest |got - want| where want is finite; a NaN anywhere, or a finite value where want is
-    -inf (a row with no key), is an infinite error."""
-    got, want = np.asarray(_to_cpu(got).tolist(), dtype=np.float64), np.asarray(want, dtype=np.float64)
-    finite = np.isfinite(want)
-    if np.isnan(got).any() or not np.array_equal(got[~finite], want[~finite]):
-        return float("inf")
-    return float(np.abs(got[finite] - want[finite]).max(initial=0.0))
 
 
 def cmd_bench(args) -> int:

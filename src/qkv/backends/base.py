@@ -300,6 +300,17 @@ def within_rule(err: float, reference_err: float, dtype: str) -> bool:
     return err <= 2 * reference_err + ATOL[dtype]
 
 
+def max_error(got, want) -> float:
+    """Largest |got - want| where want is finite; a NaN anywhere, or a finite value where want is
+    -inf (a row with no key), is an infinite error. got: an array, or a CPU tensor of any dtype."""
+    got = np.asarray(got if isinstance(got, np.ndarray) else got.tolist(), dtype=np.float64)  # bfloat16 tensors too
+    want = np.asarray(want, dtype=np.float64)
+    finite = np.isfinite(want)
+    if np.isnan(got).any() or not np.array_equal(got[~finite], want[~finite]):
+        return float("inf")
+    return float(np.abs(got[finite] - want[finite]).max(initial=0.0))
+
+
 # --------------------------------------------------------------------------------------
 # Dropout from a counter-based hash: the keep decision for (b, h, i, j) depends only on
 # the seed and the indices, so forward and backward, tiled or not, NumPy or torch,
