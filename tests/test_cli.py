@@ -139,7 +139,7 @@ def test_the_ring_benchmark_runs_without_rich(monkeypatch):
     (["--distributed", "3"], "argument --distributed: each length = 2048 must be divisible"),
     (["--distributed", "2", "--json", "x.json", "--shape", "1,1,64,8"],
      "--distributed takes no other option (got --shape, --json)"),
-    (["--plot", "p.png"], "--plot needs --sweep on CPU"),
+    (["--plot", "p.png"], "--plot needs --sweep (it plots the sequence-length sweep)"),
     (["--dtype", "bfloat16"], "--dtype set the --shape workloads; give --shape too"),
     (["--causal", "--backward"], "--causal, --backward set the --shape workloads; give --shape too"),
     (["--json", "missing/x.json"], "argument --json: cannot write 'missing/x.json': no folder"),
