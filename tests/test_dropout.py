@@ -31,6 +31,21 @@ def test_keep_rate_and_scaling(backend, kind):
     assert abs(rate - (1 - P)) < 5 * sigma, f"keep rate {rate:.4f}, expected {1 - P} ± {5 * sigma:.4f}"
 
 
+def test_the_keep_rate_holds_up_to_the_largest_p():
+    """Keep decisions are drawn in steps of 2**-32: at the largest p accepted, 1 - 2**-13, the
+    rate is still 1 - p (a step of 2**-24 used to keep nothing at all past 1 - 2**-25)."""
+    import qkv.torch
+    from qkv.inputs import DROPOUT_P_MAX
+
+    b, h, qi, ki = np.arange(64)[:, None, None, None], 0, np.arange(256)[:, None], np.arange(256)
+    for p in (DROPOUT_P_MAX, 1 - 2**-10):
+        keep = dropout_keep(7, p, 1, b, h, qi, ki)
+        expected = keep.size * (1 - p)
+        assert abs(keep.sum() - expected) < 5 * np.sqrt(expected), (p, keep.sum(), expected)
+    with pytest.raises(ValueError, match=r"dropout must be at most 1 - 2\*\*-13"):
+        qkv.torch.MultiHeadAttention(8, 2, dropout=1 - 2**-20)
+
+
 def test_same_seed_same_drops_on_every_backend():
     patterns = [keep_pattern(b, k) for b, k in [("torch", "torch"), ("numpy", "numpy"), ("reference", "numpy")]]
     for other in patterns[1:]:

@@ -142,6 +142,8 @@ BAD = [
                  id="dropout-str"),
     pytest.param(call(dropout_p=float("nan")), ValueError, r"dropout_p must be a number in \[0, 1\), got nan",
                  id="dropout-nan"),
+    pytest.param(call(dropout_p=1 - 2**-14), ValueError, r"dropout_p must be at most 1 - 2\*\*-13 .*would bias",
+                 id="dropout-too-near-one"),
     pytest.param(call(dropout_p=0.1, seed=-1), ValueError, r"seed must be an integer in \[0, 2\*\*64\) or None, got -1",
                  id="seed-negative"),
     pytest.param(call(dropout_p=0.1, seed=1.5), (TypeError, ValueError),

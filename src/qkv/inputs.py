@@ -411,11 +411,25 @@ def check_scale(scale, head_dim, dtype="float64"):
     return float(scale)
 
 
+#: Dropout keeps a score with probability 1 - p drawn in steps of 2**-32 (a 32-bit hash
+#: against a threshold): up to this p, the step is within 1e-6 of 1 - p, so scaling what is
+#: kept by 1/(1 - p) stays unbiased to that much. Beyond it, refused rather than biased.
+DROPOUT_P_MAX = 1.0 - 2.0**-13
+
+
+def check_dropout_p(dropout_p, name="dropout_p") -> float:
+    if not _is_real(dropout_p) or not (0.0 <= dropout_p < 1.0):
+        raise ValueError(f"{name} must be a number in [0, 1), got {dropout_p!r}")
+    if dropout_p > DROPOUT_P_MAX:
+        raise ValueError(f"{name} must be at most 1 - 2**-13 (keeping at least one score in 8192): its keep "
+                         f"probability is drawn in steps of 2**-32, which would bias the output; got {dropout_p!r}")
+    return float(dropout_p)
+
+
 def check_dropout(dropout_p, seed):
     if type(dropout_p) is float and dropout_p == 0.0 and seed is None:
         return 0.0, None  # the default, without the numbers.Real ABC checks (~1 µs)
-    if not _is_real(dropout_p) or not (0.0 <= dropout_p < 1.0):
-        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    dropout_p = check_dropout_p(dropout_p)
     if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**64):
         raise ValueError(f"seed must be an integer in [0, 2**64) or None, got {seed!r}")
     return float(dropout_p), None if seed is None else int(seed)  # int: NumPy integers would overflow the hash

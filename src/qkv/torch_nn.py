@@ -72,11 +72,7 @@ class MultiHeadAttention(AttentionCore, nn.Module):
 
     @dropout.setter
     def dropout(self, dropout):
-        # inputs.check_dropout holds the rule; its message names qkv.attention's dropout_p
-        try:
-            self._dropout = inputs.check_dropout(dropout, None)[0]
-        except ValueError:
-            raise ValueError(f"dropout must be a number in [0, 1), got {dropout!r}") from None
+        self._dropout = inputs.check_dropout_p(dropout, "dropout")
 
     def forward(self, query, key=None, value=None, mask=None, need_weights=False, cache=None, *, score_mod=None):
         """Attention of query over key/value; returns (output, weights or None).

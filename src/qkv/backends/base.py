@@ -340,8 +340,8 @@ def dropout_keep(seed: int, dropout_p: float, heads: int, b, h, qi, ki):
         x = _mix32(x ^ word(high))
     x = _mix32(x ^ qi)
     x = _mix32((x + ki * 0x9E3779B1) & _M32)
-    threshold = int(round((1.0 - dropout_p) * (1 << 24)))
-    return (x >> 8) < threshold
+    threshold = int(round((1.0 - dropout_p) * 2**32))  # in steps of 2**-32: see inputs.DROPOUT_P_MAX
+    return x < threshold
 
 
 def dropout_scale_tile(inp, b, h, qi, ki, like):
