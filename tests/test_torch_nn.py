@@ -157,7 +157,7 @@ def test_dropout_errors_name_the_argument():
     assert mha.dropout == 0.5 and "dropout=0.5" in repr(mha)
 
 
-@pytest.mark.parametrize("dtype", [torch.int32, torch.complex64, "float32"])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.complex64, "float32", torch.float8_e4m3fn])
 def test_a_dtype_that_is_not_a_floating_torch_dtype_is_refused_at_construction(dtype):
     with pytest.raises(TypeError, match="dtype must be a floating torch dtype"):
         qt.MultiHeadAttention(16, 4, dtype=dtype)
@@ -335,6 +335,11 @@ def test_from_torch_masks():
         qt.from_torch_masks(torch.zeros(2, 2, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"key_padding_mask must have shape \(B, S\)"):
         qt.from_torch_masks(key_padding_mask=torch.zeros(2, dtype=torch.bool))
+    for attn_mask in (torch.zeros(5, 7, dtype=torch.bool), torch.zeros(5, 7)):  # S = 7 against 6
+        with pytest.raises(ValueError, match="same number of keys S: attn_mask has 7, key_padding_mask 6"):
+            qt.from_torch_masks(attn_mask, torch.zeros(2, 6, dtype=torch.bool))
+    with pytest.raises(ValueError, match="unfolds to 3 batch rows .* but key_padding_mask has 2"):
+        qt.from_torch_masks(torch.zeros(6, 5, 7, dtype=torch.bool), torch.zeros(2, 7, dtype=torch.bool), num_heads=2)
 
 
 def test_a_3d_mask_tensor_is_refused_as_ambiguous_and_4d_ones_mean_what_they_say():

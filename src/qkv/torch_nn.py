@@ -50,7 +50,7 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         nn.Module.__init__(self)
         self._configure(d_model, num_heads, num_kv_heads, bias)
         self.dropout = dropout
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        if dtype is not None and dtype not in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
             raise TypeError(f"dtype must be a floating torch dtype (float64, float32, bfloat16, float16), "
                             f"got {dtype!r}")
         for name, shape in self._shapes().items():
@@ -194,6 +194,8 @@ def from_torch_masks(attn_mask=None, key_padding_mask=None, *, num_heads=None):
         parts.append(key_padding_mask[:, None, None, :])  # (B, 1, 1, S)
     if not parts:
         return None
+    if len(parts) == 2:
+        _check_masks_agree(parts[0], key_padding_mask)
     if all(p.dtype == torch.bool for p in parts):
         combined = ~parts[0]
         for p in parts[1:]:
@@ -217,6 +219,17 @@ def _attn_mask_4d(attn_mask, num_heads):
         raise ValueError(f"attn_mask's first dim ({attn_mask.shape[0]}) must be B*num_heads "
                          f"(a multiple of num_heads={num_heads})")
     return attn_mask.reshape(-1, num_heads, *attn_mask.shape[1:])  # (B, H, L, S)
+
+
+def _check_masks_agree(attn_mask, key_padding_mask):
+    """attn_mask ((L, S) or (B, H, L, S)) and key_padding_mask (B, S) must agree on S and B."""
+    S, B = key_padding_mask.shape[1], key_padding_mask.shape[0]
+    if attn_mask.shape[-1] != S:
+        raise ValueError(f"attn_mask and key_padding_mask must have the same number of keys S: attn_mask has "
+                         f"{attn_mask.shape[-1]}, key_padding_mask {S}")
+    if attn_mask.ndim == 4 and attn_mask.shape[0] != B:
+        raise ValueError(f"a 3-D attn_mask unfolds to {attn_mask.shape[0]} batch rows (B*num_heads / num_heads), "
+                         f"but key_padding_mask has {B}")
 
 
 def _check_torch_mask(name, mask, ndims, shape_text):
