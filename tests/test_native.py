@@ -207,6 +207,21 @@ def test_strides_that_are_not_whole_elements_go_elsewhere(rng):
     assert_within_rule(qkv.attention(q, k, k), want, qkv.attention(q, k, k, backend="reference"), "float32")
 
 
+def test_a_bias_whose_strides_are_not_whole_elements_goes_elsewhere(rng):
+    """The same for a float mask (an additive bias) taken from a structured array: it used to
+    reach the binding, which refused it with its own signature dump."""
+    fields = np.zeros((1, 2, 5, 9), dtype=[("bias", np.float32), ("tag", np.int8)])
+    fields["bias"] = rng.standard_normal(fields.shape)
+    bias = fields["bias"]  # 5-byte strides
+    q, k = (rng.standard_normal((1, 2, n, 16)).astype(np.float32) for n in (5, 9))
+    with pytest.raises(qkv.BackendError, match="strides that are not whole elements"):
+        qkv.attention(q, k, k, bias, backend="native")
+    assert qkv.explain(q, k, k, bias).backend != "native"
+    want = qkv.attention(*(x.astype(np.float64) for x in (q, k, k, bias)), backend="reference")
+    assert_within_rule(qkv.attention(q, k, k, bias), want, qkv.attention(q, k, k, bias, backend="reference"),
+                       "float32")
+
+
 SCRIPT = """
 import numpy as np, torch, qkv
 from qkv.backends import native

@@ -169,8 +169,11 @@ def check_score_result(name, result, scores):
 
 def check_strided(name, x):
     """A torch tensor of another layout (sparse, mkldnn) has no strides to read, and one on the
-    meta device no values: named here, not deep inside a backend."""
+    meta device no values; NumPy subclasses and byte orders as check_plain_numpy: named here,
+    not deep inside a backend."""
     torch = sys.modules.get("torch")
+    if isinstance(x, np.ndarray):
+        check_plain_numpy(name, x)
     if _arrays.is_torch(x) and x.device.type == "meta":
         raise ValueError(f"{name} is on the meta device, which holds no values to attend over; "
                          f"pass tensors with data")
@@ -404,11 +407,17 @@ def check_scale(scale, head_dim, dtype="float64"):
         return 1.0 / math.sqrt(head_dim)
     if not _is_finite_real(scale):
         raise ValueError(f"scale must be a finite real number or None (1/sqrt(D)), got {scale!r}")
-    largest = float(np.finfo(np.float32).max)
-    if dtype != "float64" and abs(scale) > largest:
-        raise ValueError(f"scale must lie within float32's range (±{largest:.3g}) for {dtype} inputs, "
-                         f"which compute in float32; got {scale!r}")
+    check_float32_range("scale", abs(scale), dtype, scale)
     return float(scale)
+
+
+def check_float32_range(name, largest_magnitude, dtype, shown):
+    """Lower precisions compute in float32: a number past its range would be inf there, and
+    the scores it touches NaN (inf · 0)."""
+    largest = float(np.finfo(np.float32).max)
+    if dtype != "float64" and largest_magnitude > largest:
+        raise ValueError(f"{name} must lie within float32's range (±{largest:.3g}) for {dtype} inputs, "
+                         f"which compute in float32; got {shown!r}")
 
 
 #: Dropout keeps a score with probability 1 - p drawn in steps of 2**-32 (a 32-bit hash
@@ -513,6 +522,8 @@ def prepare(q, k, v, mask=None, *, score_mod=None, scale=None, dropout_p=0.0, se
             inp.mask, inp.dropped_mask = None, mask_obj
     for m in mods:
         m.check(inp.geom)
+        if isinstance(m, masks.Alibi):
+            check_float32_range("slopes", float(np.abs(m.slopes).max(initial=0.0)), dtype, m.slopes.tolist())
     return inp
 
 

@@ -134,7 +134,8 @@ class NativeBackend(Backend):
 
     def extra_reasons(self, inp):
         reasons = []
-        if inp.kind == "numpy" and any(s % x.itemsize for x in (inp.q, inp.k, inp.v) for s in x.strides):
+        arrays = (inp.q, inp.k, inp.v) + tuple(m.array for m in inp.score_mods if isinstance(m, Bias))
+        if inp.kind == "numpy" and any(s % x.itemsize for x in arrays for s in x.strides):
             reasons.append("strides that are not whole elements (a field of a structured array)")
         if max(max(x.shape) for x in (inp.q, inp.k, inp.v)) > MAX_SIZE:
             reasons.append(f"a size above {MAX_SIZE} (the kernel counts in 32-bit ints)")
