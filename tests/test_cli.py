@@ -106,6 +106,14 @@ def test_info_with_triton_but_without_torch_says_why(monkeypatch, capsys):
     assert "triton     unavailable: PyTorch is not installed" in capsys.readouterr().out
 
 
+def test_info_counts_one_thread_in_the_singular():
+    env = dict(os.environ, QKV_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "qkv.cli", "info"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and "1 threads" not in done.stdout
+    if dispatch.REGISTRY["native"].missing() is None:
+        assert "instructions, 1 thread (" in done.stdout
+
+
 def test_a_bad_thread_count_in_the_environment_warns_and_info_still_runs():
     env = dict(os.environ, QKV_NUM_THREADS="abc")
     done = subprocess.run([sys.executable, "-m", "qkv.cli", "info"], env=env, capture_output=True, text=True)

@@ -18,6 +18,7 @@ import pytest
 import qkv
 
 torch = pytest.importorskip("torch")
+import qkv.torch  # noqa: E402
 
 RNG = np.random.default_rng(7)
 
@@ -144,6 +145,15 @@ BAD = [
     pytest.param(call(scale=1j), (TypeError, ValueError), r"scale must be a finite real number .*got 1j",
                  id="scale-complex"),
     # ---- dropout and seed ---------------------------------------------------------------
+    pytest.param(call(return_lse="False"), TypeError, r"return_lse must be a bool, got str 'False'", id="return-lse-str"),
+    pytest.param(call(return_lse=np.array([True, False])), TypeError, r"return_lse must be a bool, got ndarray",
+                 id="return-lse-array"),
+    pytest.param(lambda: qkv.MultiHeadAttention(16, 4, bias="no"), TypeError, r"bias must be a bool, got str 'no'",
+                 id="module-bias-str"),
+    pytest.param(lambda: qkv.torch.MultiHeadAttention(16, 4, bias=None), TypeError,
+                 r"bias must be a bool, got NoneType None", id="torch-module-bias-none"),
+    pytest.param(lambda: qkv.MultiHeadAttention(16, 4)(np.zeros((1, 2, 16)), need_weights="yes"), TypeError,
+                 r"need_weights must be a bool, got str 'yes'", id="need-weights-str"),
     pytest.param(call(dropout_p=-0.1), ValueError, r"dropout_p must be a number in \[0, 1\), got -0\.1",
                  id="dropout-negative"),
     pytest.param(call(dropout_p=1.0), ValueError, r"dropout_p must be a number in \[0, 1\), got 1\.0",

@@ -131,6 +131,8 @@ def test_clear_errors(model, tmp_path):
         with pytest.raises(ValueError, match="batch_size must be a positive integer"):
             model.encode(["a"], batch_size=bad)
     assert model.encode(["a", "b"], batch_size=np.int64(1)).shape == (2, 384)  # NumPy's integers are integers
+    with pytest.raises(TypeError, match="normalize must be a bool, got str 'no'"):
+        model.encode(["a"], normalize="no")  # a truthy string used to normalise
     with pytest.raises(FileNotFoundError, match="lacks config.json, model.safetensors, tokenizer.json"):
         MiniLM.load(tmp_path)
 

@@ -207,6 +207,17 @@ def test_strides_that_are_not_whole_elements_go_elsewhere(rng):
     assert_within_rule(qkv.attention(q, k, k), want, qkv.attention(q, k, k, backend="reference"), "float32")
 
 
+def test_the_amx_switch_takes_a_bool_only():
+    """A truthy int or string used to reach the binding, failing every native call after it."""
+    native = dispatch.REGISTRY["native"]
+    for value in (1, "yes", None):
+        with pytest.raises(TypeError, match="float32_on_amx must be a bool"):
+            native.float32_on_amx = value
+    assert native.float32_on_amx is False
+    native.float32_on_amx = np.False_
+    assert native.float32_on_amx is False
+
+
 def test_a_bias_whose_strides_are_not_whole_elements_goes_elsewhere(rng):
     """The same for a float mask (an additive bias) taken from a structured array: it used to
     reach the binding, which refused it with its own signature dump."""

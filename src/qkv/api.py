@@ -46,6 +46,7 @@ def attention(q, k, v, mask=None, *, score_mod=None, scale=None, dropout_p=0.0, 
         A query row with no allowed key gives 0 (never NaN).
     """
     inp = inputs.prepare(q, k, v, mask, score_mod=score_mod, scale=scale, dropout_p=dropout_p, seed=seed)
+    return_lse = inputs.check_bool("return_lse", return_lse)
     inputs.refuse_trainable_rules(inp)  # attention_weights records the rule instead
     if inp.dropout_p > 0 and inp.seed is None:
         inp.seed = _draw_seed(inp.kind)

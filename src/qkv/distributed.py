@@ -652,6 +652,7 @@ def ring_attention(q, k, v, mask=None, *, scale=None, layout: str = "contiguous"
     """
     error, call = None, None
     try:
+        return_lse = inputs.check_bool("return_lse", return_lse)
         call = _validate(q, k, v, mask, scale, layout, stats)
     except Exception as caught:  # any failure: raised on every rank once they have agreed
         error = caught

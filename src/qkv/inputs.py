@@ -37,6 +37,13 @@ def _is_finite_real(x) -> bool:
         return False
 
 
+def check_bool(name, value) -> bool:
+    """A flag: True or False (NumPy's too), never a truthy string or array taken as one."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
 def check_positive_int(name, value):
     if not _is_int(value) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")

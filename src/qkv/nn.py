@@ -90,7 +90,7 @@ class AttentionCore:
 
     def _configure(self, d_model, num_heads, num_kv_heads, bias):
         self.num_kv_heads, self.depth = check_config(d_model, num_heads, num_kv_heads)
-        self.d_model, self.num_heads, self.bias = int(d_model), int(num_heads), bool(bias)
+        self.d_model, self.num_heads, self.bias = int(d_model), int(num_heads), inputs.check_bool("bias", bias)
 
     def _shapes(self) -> dict:
         return parameter_shapes(self.d_model, self.num_heads, self.num_kv_heads, self.bias)
@@ -156,6 +156,7 @@ class AttentionCore:
 
     def _attend(self, query, key, value, mask, need_weights, cache, dropout_p, score_mod):
         """(output (B, Lq, d_model), weights (B, Hq, Lq, Lk) or None)."""
+        need_weights = inputs.check_bool("need_weights", need_weights)
         query, key, value = self._check_inputs(query, key, value, cache)
         _check_mask_array(mask)
         q = self._split_heads(self._project(query, "q"), self.num_heads)  # (B, Hq, Lq, depth)

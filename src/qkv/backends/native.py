@@ -17,7 +17,7 @@ import warnings
 
 import numpy as np
 
-from .. import _arrays
+from .. import _arrays, inputs
 from .._threads import available_cpus
 from ..masks import PARTIAL, Alibi, Bias, IntervalMask, Softcap, tile_indices
 from . import base
@@ -112,6 +112,14 @@ class NativeBackend(Backend):
         # weights from scores rounded otherwise than the forward's, so lse_lo helps it less.
         self.float32_on_amx = False
 
+    @property
+    def float32_on_amx(self) -> bool:
+        return self._float32_on_amx
+
+    @float32_on_amx.setter
+    def float32_on_amx(self, on):
+        self._float32_on_amx = inputs.check_bool("float32_on_amx", on)
+
     def missing(self):
         if _native is None:
             return f"the native kernel is {_import_error}"
@@ -123,7 +131,8 @@ class NativeBackend(Backend):
         left_out = ""
         if _native.cpu_isa() != _native.isa() and "QKV_ISA" not in os.environ:
             left_out = f"; the CPU has {_native.cpu_isa()}, which the compiler that built qkv could not build"
-        return f"{_native.isa()} instructions{left_out}, {self.num_threads} threads ({_native.threading()})"
+        threads = f"{self.num_threads} thread{'s' * (self.num_threads != 1)}"
+        return f"{_native.isa()} instructions{left_out}, {threads} ({_native.threading()})"
 
     def call_threads(self) -> int:
         """The threads of a call: num_threads, or at most torch's in a DataLoader worker. The

@@ -114,6 +114,7 @@ class MiniLM:
         single = isinstance(sentences, str)
         sentences = _as_list(sentences)
         batch_size = inputs.check_positive_int("batch_size", batch_size)
+        normalize = inputs.check_bool("normalize", normalize)
         parts = []
         with torch.no_grad():
             for start in range(0, len(sentences), batch_size):
