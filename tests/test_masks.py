@@ -179,7 +179,7 @@ def test_to_string_draws_the_mask():
 
 def test_to_string_of_a_mask_with_more_batch_rows_says_to_pass_batch_size():
     mask = qkv.padding([3, 5])
-    with pytest.raises(ValueError, match=r"drawn for 1 batch row and 1 head: if the mask's data holds more, pass batch_size= or heads="):
+    with pytest.raises(ValueError, match=r"drawn for 1 batch row and 1 head: if the mask's data holds more, pass batch_size=\)"):
         mask.to_string(3, 5)
     assert mask.to_string(3, 5, batch=1, batch_size=2).splitlines()[1:] == ["0 █████", "1 █████", "2 █████"]
     with pytest.raises(ValueError) as error:  # batch_size given: the mask's own error, no advice
@@ -190,7 +190,7 @@ def test_to_string_of_a_mask_with_more_batch_rows_says_to_pass_batch_size():
 def test_materialize_of_a_mask_with_more_batch_rows_says_to_pass_batch():
     mask = qkv.padding([3, 5])
     with pytest.raises(ValueError, match=r"needs one entry per batch row \(1\), got 2 \(materialized for one batch "
-                                         r"row and one head: if the mask's data holds more, pass batch= or heads=\)"):
+                                         r"row: if the mask's data holds more, pass batch=\)"):
         mask.materialize(3, 5)
     allowed = mask.materialize(3, 5, batch=2)
     assert allowed.shape == (2, 3, 5) and allowed[0, :, 3:].sum() == 0 and allowed[1].all()
@@ -210,11 +210,42 @@ def test_errors_that_batch_or_heads_cannot_mend_carry_no_advice_to_pass_them(mas
         assert "pass batch" not in str(error.value) and "heads=" not in str(error.value)
 
 
+@pytest.mark.parametrize("draw, advice", [
+    (lambda: qkv.padding([3, 4]).materialize(3, 5, heads=1), "pass batch=)"),
+    (lambda: qkv.padding([3, 4]).materialize(3, 5, batch=1), None),  # the batch it was given differs
+    (lambda: qkv.padding([3, 4]).to_string(3, 5, batch_size=1), None),
+    (lambda: qkv.dense_mask(np.ones((4, 3, 5), bool)).materialize(3, 5, heads=2), None),
+    (lambda: qkv.dense_mask(np.ones((4, 3, 5), bool)).materialize(3, 5, batch=1), "pass heads=)"),
+    (lambda: qkv.dense_mask(np.ones((2, 4, 3, 5), bool)).materialize(3, 5), "pass batch= and heads=)"),
+    (lambda: qkv.dense_mask(np.ones((2, 4, 3, 5), bool)).to_string(3, 5, heads=4), "pass batch_size=)"),
+])
+def test_the_advice_names_only_the_sizes_that_differ(draw, advice):
+    """Advice to pass a size it was given, or one that fits, does not mend the error."""
+    with pytest.raises(ValueError) as error:
+        draw()
+    message = str(error.value)
+    if advice is None:
+        assert "if the mask's data holds more" not in message, message
+    else:
+        assert message.endswith(advice), message
+
+
+@pytest.mark.parametrize("batch", ["2", -1, 2.0, (2, -1), True])
+def test_blocks_and_materialize_check_batch(batch):
+    """batch used to fail deep inside (a TypeError from a product, NumPy's broadcasting) or,
+    as a string, to be taken as a sequence of characters."""
+    for draw in (lambda: qkv.causal().blocks(4, 5, 2, 2, batch=batch), lambda: qkv.causal().materialize(4, 5, batch=batch)):
+        with pytest.raises(ValueError, match=r"batch must be a non-negative integer, got"):
+            draw()
+    with pytest.raises(ValueError, match=r"batch must be a non-negative integer, got None"):
+        qkv.causal().blocks(4, 5, 2, 2, batch=None)
+
+
 def test_to_string_draws_any_head_of_a_per_head_mask():
     mask = qkv.dense_mask(np.stack([np.eye(3, dtype=bool), np.ones((3, 3), bool)]))  # (H=2, Lq, Lk)
     assert mask.to_string(3, 3, head=0, heads=2).splitlines()[1:] == ["0 █··", "1 ·█·", "2 ··█"]
     assert mask.to_string(3, 3, head=1).splitlines()[1:] == ["0 ███", "1 ███", "2 ███"]
-    with pytest.raises(ValueError, match=r"drawn for 1 batch row and 1 head: .* pass batch_size= or heads="):
+    with pytest.raises(ValueError, match=r"drawn for 1 batch row and 1 head: .* pass heads=\)"):
         mask.to_string(3, 3)
     with pytest.raises(ValueError, match=r"materialized for one head: if the mask's data holds more, pass heads="):
         mask.materialize(3, 3, batch=1)

@@ -102,7 +102,11 @@ def check_lengths(name, lengths):
 
 class SizeMismatch(ValueError):
     """A mask's data sized for other batch rows or heads than it is evaluated for (materialize
-    and to_string then say how to give theirs)."""
+    and to_string then say how to give theirs). dims: which of "batch" and "heads" differ."""
+
+    def __init__(self, message, dims=("batch",)):
+        super().__init__(message)
+        self.dims = frozenset(dims)
 
 
 def check_lengths_fit(name, lengths, batch, limit, limit_name):
@@ -209,9 +213,11 @@ def fit_dense(name, array, geom):
     fits_lead = len(lead) <= len(batch_shape) and all(
         s in (1, t) for s, t in zip(lead[::-1], batch_shape[::-1]))
     if not (fits_tail and fits_lead):
-        fits_lengths = all(s in (1, t) for s, t in zip(tail[1:], (geom.Lq, geom.Lk)))
-        error = SizeMismatch if fits_lengths else ValueError  # only the batch rows or heads differ
-        raise error(f"{name} of shape {shape} does not broadcast to {expected}")
+        message = f"{name} of shape {shape} does not broadcast to {expected}"
+        if not all(s in (1, t) for s, t in zip(tail[1:], (geom.Lq, geom.Lk))):
+            raise ValueError(message)
+        differ = (("batch", not fits_lead), ("heads", tail[0] not in (1, geom.heads)))  # only these
+        raise SizeMismatch(message, [dim for dim, differs in differ if differs])
     if math.prod(lead) == 1:
         return array.reshape((1,) + tail)
     full_lead = np.broadcast_shapes(lead, batch_shape) if len(lead) else batch_shape

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dis
 import functools
 import math
-import numbers
 import sys
 from dataclasses import dataclass, replace
 
@@ -84,6 +83,13 @@ def _check_sizes(Lq, Lk, heads):
     inputs.check_nonnegative_int("Lq", Lq)
     inputs.check_nonnegative_int("Lk", Lk)
     inputs.check_nonnegative_int("heads", heads)
+
+
+def _batch_shape(batch) -> tuple:
+    """blocks' and materialize's batch: a number of batch rows, or the caller's batch shape."""
+    if isinstance(batch, (tuple, list)):
+        return tuple(inputs.check_nonnegative_int("batch", n) for n in batch)
+    return (inputs.check_nonnegative_int("batch", batch),)
 
 
 _WHAT = {"batch": "batch row", "heads": "head"}  # materialize's size arguments, as its hint names them
@@ -158,7 +164,7 @@ class Mask:
         inputs.check_positive_int("block_q", block_q)
         inputs.check_positive_int("block_k", block_k)
         _check_sizes(Lq, Lk, heads)
-        batch_shape = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+        batch_shape = _batch_shape(batch)
         return self.tile_classes(Geometry(math.prod(batch_shape), heads, Lq, Lk, batch_shape), block_q, block_k)
 
     def tile_classes(self, geom: Geometry, block_q: int, block_k: int) -> np.ndarray:
@@ -178,17 +184,17 @@ class Mask:
         row (lengths or ids of more rows need ``batch=``, then index the row).
         """
         _check_sizes(Lq, Lk, 1 if heads is None else heads)
-        batch_shape = () if batch is None else (int(batch),) if isinstance(batch, numbers.Integral) else tuple(batch)
+        batch_shape = () if batch is None else _batch_shape(batch)
         n_batch, n_heads = math.prod(batch_shape), 1 if heads is None else heads
         geom = Geometry(n_batch, n_heads, Lq, Lk, batch_shape or (1,))
         try:
             self.check(geom)
         except inputs.SizeMismatch as error:
-            unset = [name for name, value in (("batch", batch), ("heads", heads)) if value is None]
+            unset = [name for name, value in (("batch", batch), ("heads", heads)) if value is None and name in error.dims]
             if unset:  # materialized for one batch row or head: the mask's data may hold more
                 one = " and one ".join(_WHAT[n] for n in unset)
                 raise ValueError(f"{error} (materialized for one {one}: if the mask's data holds more, "
-                                 f"pass {' or '.join(n + '=' for n in unset)})") from None
+                                 f"pass {' and '.join(n + '=' for n in unset)})") from None
             raise
         probe = np.zeros(0)
         b, h, qi, ki = tile_indices(probe, np.arange(n_batch), np.arange(n_heads), 0, Lq, 0, Lk)
@@ -213,11 +219,12 @@ class Mask:
         try:
             grid = self.materialize(Lq, Lk, batch=rows, heads=n_heads)[batch, head]
         except inputs.SizeMismatch as error:
-            unset = [name for name, value in (("batch_size", batch_size), ("heads", heads)) if value is None]
+            unset = [name for name, value, dim in (("batch_size", batch_size, "batch"), ("heads", heads, "heads"))
+                     if value is None and dim in error.dims]
             if unset:  # drawn for batch + 1 rows and head + 1 heads: the mask's data may hold more
                 drawn = f"{rows} batch row{'s' * (rows > 1)} and {n_heads} head{'s' * (n_heads > 1)}"
                 raise ValueError(f"{error} (drawn for {drawn}: if the mask's data holds more, "
-                                 f"pass {' or '.join(n + '=' for n in unset)})") from None
+                                 f"pass {' and '.join(n + '=' for n in unset)})") from None
             raise
         width = len(str(max(Lq, Lk) - 1))
         lines = [f"{self!r}  (rows: {Lq} queries, columns: {Lk} keys)"]
