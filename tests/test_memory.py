@@ -87,6 +87,37 @@ def test_native_is_chosen_only_while_a_masks_bitmaps_stay_within_the_inputs_size
                        qkv.mask_fn(lambda b, h, i, j: (i - j) % 2 == 0)).backend == "native"
 
 
+def test_the_native_kernels_rule_evaluation_is_chunked_and_counted():
+    """The bitmaps of a rule's PARTIAL tiles were filled from a whole band of keys at a time
+    (24 MiB of temporaries here, 80 at 32768 keys and 16 heads) that explain did not count."""
+    import tracemalloc
+
+    import numpy as np
+
+    import qkv
+    from qkv import dispatch
+
+    if dispatch.REGISTRY["native"].missing():
+        pytest.skip(f"the native kernel is not here ({dispatch.REGISTRY['native'].missing()})")
+    H, Lq, Lk = 8, 128, 16384
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, H, Lq, 16), dtype=np.float32)
+    k = rng.standard_normal((1, H, Lk, 16), dtype=np.float32)
+    window = qkv.mask_fn(lambda b, h, qi, ki: abs(qi + (Lk - Lq) - ki) < 64 * (h + 1))  # per head, bottom-right
+    said = qkv.explain(q, k, k, window)
+    assert said.backend == "native"
+    qkv.attention(q[:, :, :8], k[:, :, :300], k[:, :, :300], window)  # warm up
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        out = qkv.attention(q, k, k, window)
+        held = tracemalloc.get_traced_memory()[1] - before - out.nbytes
+    finally:
+        tracemalloc.stop()
+    assert held < 8 * 2**20, f"held {held / 2**20:.1f} MiB"
+    assert held <= said.workspace_bytes, (held, said.workspace_bytes)
+
+
 def _mask_for_the_numpy_estimate(name, L, ids):
     import numpy as np
 

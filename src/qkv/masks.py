@@ -247,14 +247,15 @@ def _as_mask(other, op: str) -> Mask:
     return other
 
 
-#: Scores a rule is evaluated for at once when tiles are classified: a few MiB of temporaries,
-#: whatever the length (a whole band of a long sequence's keys took hundreds).
-_EVALUATED_AT_ONCE = 2**20
+#: Scores a rule is evaluated for at once when tiles are classified (and when the native
+#: kernel's bitmaps are filled): a few MiB of temporaries, whatever the length (a whole band
+#: of a long sequence's keys took hundreds).
+EVALUATED_AT_ONCE = 2**20
 
 
 def _settle_by_evaluation(mask: Mask, classes, geom: Geometry, block_q: int, block_k: int):
     """Replace _MAYBE tiles by their exact class, evaluating the rule one query band at a time,
-    over as many key tiles at once as _EVALUATED_AT_ONCE allows."""
+    over as many key tiles at once as EVALUATED_AT_ONCE allows."""
     nq, nk = classes.shape[-2:]
     heads = 1 if mask.head_independent else geom.heads
     classes = np.broadcast_to(classes, (geom.batch, heads, nq, nk)).copy()
@@ -263,7 +264,7 @@ def _settle_by_evaluation(mask: Mask, classes, geom: Geometry, block_q: int, blo
         maybe = (classes[:, :, t, :] == _MAYBE).any(axis=(0, 1))  # (nk,)
         q0, q1 = t * block_q, min((t + 1) * block_q, geom.Lq)
         band = max(1, geom.batch * heads * (q1 - q0) * block_k)  # scores of a key tile; none for batch 0
-        step = max(1, _EVALUATED_AT_ONCE // band)  # key tiles at once
+        step = max(1, EVALUATED_AT_ONCE // band)  # key tiles at once
         for j0 in range(0, nk, step):
             j1 = min(j0 + step, nk)
             if not maybe[j0:j1].any():

@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import _arrays, inputs
 from .._threads import available_cpus
-from ..masks import PARTIAL, Alibi, Bias, IntervalMask, Softcap, tile_indices
+from ..masks import EVALUATED_AT_ONCE, PARTIAL, Alibi, Bias, IntervalMask, Softcap, runs_user_rule, tile_indices
 from . import base
 from .base import (Backend, Capabilities, autograd_attention, cdiv, key_intervals,
                    row_tile_classes, saved_output_bytes, softmax_delta, tile_workspace)
@@ -227,11 +227,24 @@ class NativeBackend(Backend):
         return None
 
     def _mask_bytes(self, inp):
-        """What a mask hands the kernel: a class per tile and the bitmaps of _bitmap_bytes."""
+        """What a mask hands the kernel: a class per tile and the bitmaps of _bitmap_bytes; and
+        while they are made, a user's rule's temporaries."""
         if inp.mask is None:
             return 0
         block_q, block_k = self.block_sizes(inp)
-        return inp.B * inp.Hkv * cdiv(inp.Lq, block_q) * cdiv(inp.Lk, block_k) + self._bitmap_bytes(inp)
+        return inp.B * inp.Hkv * cdiv(inp.Lq, block_q) * cdiv(inp.Lk, block_k) + self._bitmap_bytes(inp) \
+            + self._rule_bytes(inp)
+
+    def _rule_bytes(self, inp):
+        """A user's rule is evaluated for up to EVALUATED_AT_ONCE scores at a time (a key tile of
+        a query band at least): its answer, and two int64 index temporaries a score, as the numpy
+        backend's estimate assumes of a typical rule."""
+        if not runs_user_rule(inp.mask):
+            return 0
+        band = inp.B * inp.Hq * min(inp.Lq, self.block_sizes(inp)[0])  # scores of one key
+        block_k = self.block_sizes(inp)[1]
+        scores = max(band * block_k, min(EVALUATED_AT_ONCE, band * cdiv(inp.Lk, block_k) * block_k))
+        return scores * (1 + 2 * 8)
 
     def _bitmap_bytes(self, inp):
         """For masks that are not key intervals: a byte per score of every PARTIAL tile."""
@@ -323,7 +336,9 @@ def _kernel_bias(mod, geom):
 
 
 def _partial_bitmaps(inp, classes, blocks):
-    """Allowed pairs of every PARTIAL tile: index (R, nq, nk) -> bitmap (n, G, block_q, block_k) uint8."""
+    """Allowed pairs of every PARTIAL tile: index (R, nq, nk) -> bitmap (n, G, block_q, block_k) uint8.
+    The mask is evaluated a query band at a time, over as many key tiles at once as
+    EVALUATED_AT_ONCE allows, and only where some row's tile is PARTIAL."""
     block_q, block_k = blocks
     partial = classes == PARTIAL
     index = np.full(classes.shape, -1, dtype=np.int32)
@@ -332,17 +347,24 @@ def _partial_bitmaps(inp, classes, blocks):
     bitmaps = np.zeros((int(partial.sum()), G, block_q, block_k), dtype=np.uint8)
     probe = inp.geom.host_probe()
     for t in range(classes.shape[1]):
-        rows_here = partial[:, t, :]  # (R, nk)
-        if not rows_here.any():
-            continue
         q0, q1 = t * block_q, min((t + 1) * block_q, inp.Lq)
-        b, h, qi, _ = tile_indices(probe, np.arange(inp.B), np.arange(inp.Hq), q0, q1, 0, 1)
-        keys = np.minimum(np.arange(nk * block_k), inp.Lk - 1)  # the last tile's padding reads the last key
-        ki = _arrays.like(keys.reshape(1, 1, 1, -1), probe)  # (1, 1, 1, nk*bk)
-        allowed = _arrays.to_numpy(inp.mask.allowed(b, h, qi, ki, inp.geom))
-        band = np.broadcast_to(allowed, (inp.B, inp.Hq, q1 - q0, nk * block_k))
-        # (B, Hkv, G, rows, nk, bk) -> (R, nk, G, rows, bk)
-        tiles = band.reshape(inp.B, inp.Hkv, G, q1 - q0, nk, block_k).transpose(0, 1, 4, 2, 3, 5)
-        tiles = tiles.reshape(inp.B * inp.Hkv, nk, G, q1 - q0, block_k)
-        bitmaps[index[:, t, :][rows_here], :, : q1 - q0, :] = tiles[rows_here]
+        step = max(1, EVALUATED_AT_ONCE // max(1, inp.B * inp.Hq * (q1 - q0) * block_k))  # key tiles at once
+        for j0 in range(0, nk, step):
+            j1 = min(j0 + step, nk)
+            rows_here = partial[:, t, j0:j1]  # (R, j1 - j0)
+            if rows_here.any():
+                tiles = _band_tiles(inp, probe, q0, q1, j0, j1, block_k)  # (R, j1 - j0, G, rows, bk)
+                bitmaps[index[:, t, j0:j1][rows_here], :, : q1 - q0, :] = tiles[rows_here]
     return index, bitmaps
+
+
+def _band_tiles(inp, probe, q0, q1, j0, j1, block_k):
+    """The mask on queries q0..q1 and key tiles j0..j1, as (R, j1 - j0, G, q1 - q0, block_k)."""
+    b, h, qi, _ = tile_indices(probe, np.arange(inp.B), np.arange(inp.Hq), q0, q1, 0, 1)
+    keys = np.minimum(np.arange(j0 * block_k, j1 * block_k), inp.Lk - 1)  # the last tile's padding reads the last key
+    ki = _arrays.like(keys.reshape(1, 1, 1, -1), probe)  # (1, 1, 1, keys)
+    allowed = _arrays.to_numpy(inp.mask.allowed(b, h, qi, ki, inp.geom))
+    band = np.broadcast_to(allowed, (inp.B, inp.Hq, q1 - q0, keys.size))
+    # (B, Hkv, G, rows, n, bk) -> (R, n, G, rows, bk)
+    tiles = band.reshape(inp.B, inp.Hkv, inp.group, q1 - q0, j1 - j0, block_k).transpose(0, 1, 4, 2, 3, 5)
+    return tiles.reshape(inp.B * inp.Hkv, j1 - j0, inp.group, q1 - q0, block_k)
