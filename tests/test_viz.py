@@ -292,6 +292,14 @@ def test_command_errors_are_one_clear_line(tmp_path, capsys):
     assert "--seed, --causal: for --random only" in capsys.readouterr().err
     assert viz.main(["--random", "--seed", "-1"]) == 2
     assert "seed must be a non-negative integer, got -1" in capsys.readouterr().err
+    (tmp_path / "text.npy").write_text("hello\n")
+    np.savez(tmp_path / "two.npz", a=np.eye(3), b=np.eye(3))
+    for name in ("text.npy", "two.npz"):  # NumPy's own message advised allow_pickle=, which viz has not
+        assert viz.main(["--npy", str(tmp_path / name)]) == 2
+        assert f"{name}: not a NumPy .npy file" in capsys.readouterr().err
+    np.save(tmp_path / "objects.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    assert viz.main(["--npy", str(tmp_path / "objects.npy")]) == 2
+    assert "objects.npy: holds Python objects, not numbers" in capsys.readouterr().err
     def too_large(*args, **kwargs):
         raise MemoryError  # as NumPy's allocation of a very long --length's weights does
     with pytest.MonkeyPatch.context() as patch:

@@ -356,6 +356,19 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--quiet", action="store_true", help="do not print the terminal heatmap")
 
 
+def _load_npy(path):
+    """One array from a .npy file; anything else (text, a .npz archive, pickled objects) is
+    named for what it is, not as NumPy's pickle advice."""
+    with open(path, "rb") as f:
+        is_npy = f.read(6) == b"\x93NUMPY"
+    if not is_npy:
+        raise ValueError(f"--npy {path}: not a NumPy .npy file (np.save writes one; a .npz archive holds several)")
+    try:
+        return np.load(path, allow_pickle=False)
+    except ValueError as error:
+        raise ValueError(f"--npy {path}: holds Python objects, not numbers ({error})") from None
+
+
 def load_weights(args):
     """(weights (layers, heads, Lq, Lk), tokens) for the parsed arguments."""
     chosen = [name for name, given in (("a sentence", args.sentence is not None), ("--random", args.random),
@@ -373,7 +386,7 @@ def load_weights(args):
         size = {**RANDOM_DEFAULTS, **given}
         return random_weights(size["length"], size["heads"], size["layers"], seed=size["seed"], causal=size["causal"])
     if args.npy is not None:
-        weights = np.load(args.npy, allow_pickle=False)
+        weights = _load_npy(args.npy)
         tokens = None if args.tokens is None else args.tokens.split()
         return weights, tokens
     from .models import MiniLM
