@@ -640,6 +640,25 @@ def held_arrays(rule) -> list:
     return [array for part in _parts(rule) for array in held_arrays(part)]
 
 
+def rules_read_heads(mask: Mask) -> bool:
+    """Whether a user's rule (mask_fn) inside the mask may read its head index h, so that its
+    temporaries span every head it is evaluated for: False only where the rule's code shows
+    that it never loads that parameter."""
+    if isinstance(mask, MaskFn):
+        return _may_read_second_parameter(mask.fn)
+    return any(rules_read_heads(part) for part in _parts(mask))
+
+
+def _may_read_second_parameter(fn) -> bool:
+    code = getattr(fn, "__code__", None)  # None for a bound method, a partial, a callable object
+    if code is None or code.co_argcount < 2:
+        return True
+    name = code.co_varnames[1]
+    return name in code.co_cellvars or any(  # captured by an inner function, or loaded
+        i.opname.startswith("LOAD_FAST") and name in (i.argval if isinstance(i.argval, tuple) else (i.argval,))
+        for i in dis.get_instructions(code))
+
+
 def tensors_rules_read(rule) -> list:
     """The torch tensors the user's rules (mask_fn, score_fn) inside a mask or score modifier
     read directly: captured in a rule's closure, its defaults, or the globals it names. Tensors

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._threads import available_cpus, parallel_map
-from ..masks import EMPTY, runs_user_rule
+from ..masks import EMPTY, rules_read_heads, runs_user_rule
 from .base import (Backend, Capabilities, cdiv, compute_dtype_name, dropout_bytes_per_score, nbytes, row_tile_classes,
                    tile_workspace)
 from .tiling import TileRule, partial_flags
@@ -86,9 +86,9 @@ class NumpyBackend(Backend):
     def _mask_bytes_per_score(inp) -> int:
         """A masked tile's temporaries, per (query, key) pair: for each head of the group the
         rule's answer (bool), and then the masked scores; a rule of the user's is assumed to
-        hold two int64 index temporaries while it runs, as `(qi - ki) % 3 != 0` does (its
-        indices broadcast over heads), freed before the masked scores are made."""
+        hold two int64 index temporaries while it runs, as `(qi - ki) % 3 != 0` does, freed
+        before the masked scores are made: one pair's, or each head's where the rule reads h."""
         if inp.mask is None:
             return 0
-        user_rule = 2 * 8 if runs_user_rule(inp.mask) else 0
+        user_rule = 2 * 8 * (inp.group if rules_read_heads(inp.mask) else 1) if runs_user_rule(inp.mask) else 0
         return inp.group + max(user_rule, inp.group * nbytes(compute_dtype_name(inp.dtype)))  # bools + the larger
