@@ -287,7 +287,12 @@ BAD = [
     pytest.param(lambda: qkv.alibi(np.ones((2, 2))), ValueError, r"slopes must be a 1-D array of numbers.*\(2, 2\)",
                  id="alibi-2d"),
     pytest.param(call(score_mod=qkv.alibi([1e39, 0.5, 0.25, 0.125])), ValueError,
-                 r"slopes must lie within float32's range .* for float32 inputs.*got \[1e\+39, 0\.5", id="alibi-past-float32"),
+                 r"slopes times the largest distance \(5\) must lie within float32's range .* for float32 inputs.*"
+                 r"got \[1e\+39, 0\.5", id="alibi-past-float32"),
+    pytest.param(call(score_mod=qkv.alibi([-1e38, 0.5, 0.25, 0.125])), ValueError,  # -1e38 * 5 overflows
+                 r"slopes times the largest distance \(5\) must lie within float32's range", id="alibi-term-past-float32"),
+    pytest.param(lambda: qkv.attention(Q[..., :1, :], K[..., :1, :], V[..., :1, :], score_mod=qkv.alibi([1e39] * 4)),
+                 ValueError, r"slopes times the largest distance \(1\)", id="alibi-past-float32-one-key"),
     pytest.param(lambda: qkv.alibi([0.5, float("nan")]), ValueError, r"slopes must be finite, got \[0\.5, nan\]",
                  id="alibi-nan"),
     pytest.param(lambda: qkv.softcap(0), ValueError, r"cap must be a positive finite number, got 0", id="softcap-0"),
