@@ -8,7 +8,9 @@ import sys
 import numpy as np
 import pytest
 
+import qkv
 from qkv import bench, bench_distributed, cli, dispatch
+from qkv.backends.base import max_error, within_rule
 
 pytest.importorskip("torch")
 pytest.importorskip("rich")
@@ -155,6 +157,22 @@ def test_a_wrong_result_is_marked_however_fast(backward, tmp_path, monkeypatch, 
     assert "qkv off: WRONG output, off by" in capsys.readouterr().out
     assert [note.split(": ")[0] for note in json.loads(out.read_text())["notes"] if "WRONG" in note] == [
         f"{'fwd+bwd' if backward else 'fwd'} causal float32 B=1 Hq=4 Hkv=2 Lq=40 Lk=20 D=16 / qkv off"]
+
+
+def test_the_check_takes_the_rules_yardstick_in_low_precision(monkeypatch):
+    """The rule's yardstick is qkv's reference in the dtype, accumulating in float32: the plain
+    formula on torch's float16 operations loses 7x as much, and let through an output off by
+    more than the rule allows."""
+    import torch
+
+    w = bench.Workload("w", 1, 8, 2, 512, 700, 64, dtype="float16")
+    q, k, v = bench._inputs(w, "torch")
+    exact = qkv.attention(*(x.double() for x in (q, k, v)), backend="reference")
+    off = (exact + 3e-3).to(torch.float16)
+    reference_err = max_error(qkv.attention(q, k, v, backend="reference"), exact.numpy())
+    assert not within_rule(max_error(off, exact.numpy()), reference_err, "float16")
+    assert bench.OutputCheck(w)(off) != "ok"
+    assert bench.OutputCheck(w)(qkv.attention(q, k, v, backend="torch")) == "ok"
 
 
 def test_the_checked_rows_span_the_sequence():

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from . import attention, causal, dispatch
+from . import attention, causal, dispatch, inputs
 from .backends.base import ATOL, max_error
 from ._memory import peak_growth
 from ._paths import output_file
@@ -257,39 +257,38 @@ def checked_rows(Lq: int) -> np.ndarray:
     return np.unique(np.linspace(0, Lq - 1, min(Lq, CHECKED_ROWS)).round().astype(np.int64))
 
 
-def _plain_formula(w: Workload, rows: np.ndarray, dtype) -> np.ndarray:
-    """The output on the given query rows, or their dq with the backward, by the plain formula
-    in `dtype` on the workload's inputs: softmax(q·kᵀ/√D)·v, top-left causal where asked. A
-    row's output and dq depend on its own query row alone, so a few rows cost little."""
+def _reference_result(w: Workload, rows: np.ndarray, dtype: str) -> np.ndarray:
+    """The output on the given query rows, or their dq with the backward, as the tolerance
+    rule's yardsticks take them: qkv's reference backend in `dtype` (lower precisions
+    accumulating in float32), and for dq its own backward, in float64 or in float32 rounded to
+    `dtype`; on the workload's inputs, top-left causal where asked. A row's output and dq
+    depend on its own query row alone, so a few rows cost little."""
     import torch
 
-    q, k, v = (x.detach().cpu().to(dtype) for x in _inputs(w, "torch"))
-    group, R = w.Hq // w.Hkv, len(rows)
-    q = q[:, :, torch.from_numpy(rows)].reshape(w.B, w.Hkv, group * R, w.D)  # a KV head's query rows together
-    q.requires_grad_(w.backward)
-    scores = q @ k.transpose(-1, -2) * w.D ** -0.5                           # (B, Hkv, group·R, Lk)
-    if w.causal:
-        last_key = torch.from_numpy(rows).repeat(group)[:, None]              # query i sees keys j <= i
-        scores = scores.masked_fill(torch.arange(w.Lk) > last_key, float("-inf"))
-    out = torch.softmax(scores, -1) @ v                                      # (B, Hkv, group·R, D)
-    if w.backward:
-        out.sum().backward()
-        out = q.grad
-    return out.detach().reshape(w.B, w.Hq, R, w.D).double().numpy()
+    q, k, v = (x.detach().cpu() for x in _inputs(w, "torch"))
+    q = q[:, :, torch.from_numpy(rows)]  # (B, Hq, R, D)
+    allowed = np.arange(w.Lk) <= rows[:, None] if w.causal else None  # (R, Lk): key j <= query i
+    if not w.backward:
+        t = getattr(torch, dtype)
+        mask = None if allowed is None else torch.from_numpy(allowed)
+        return attention(q.to(t), k.to(t), v.to(t), mask, backend="reference").double().numpy()
+    computed = "float64" if dtype == "float64" else "float32"
+    arrays = [x.double().numpy().astype(computed) for x in (q, k, v)]
+    dout = np.ones(q.shape[:-1] + (w.D,), dtype=computed)  # the gradient of out.sum()
+    dq = dispatch.REGISTRY["reference"].backward(inputs.prepare(*arrays, allowed), dout)[0]
+    return torch.from_numpy(dq).to(getattr(torch, dtype)).double().numpy()
 
 
 class OutputCheck:
     """Checks an implementation's first result (its output, or its gradients with the backward)
     against float64 on the checked rows, under the tolerance rule: off by at most twice what the
-    plain formula loses in the workload's dtype plus ATOL (times max(1, max|dq|) for dq, as the
+    reference loses in the workload's dtype plus ATOL (times max(1, max|dq|) for dq, as the
     gradient tests scale it)."""
 
     def __init__(self, w: Workload):
-        import torch
-
         self.rows = checked_rows(w.Lq)
-        self.want = _plain_formula(w, self.rows, torch.float64)
-        reference_err = max_error(_plain_formula(w, self.rows, getattr(torch, w.dtype)), self.want)
+        self.want = _reference_result(w, self.rows, "float64")
+        reference_err = max_error(_reference_result(w, self.rows, w.dtype), self.want)
         magnitude = max(1.0, float(np.abs(self.want).max(initial=0.0))) if w.backward else 1.0
         self.bound = 2 * reference_err + ATOL[w.dtype] * magnitude
 
