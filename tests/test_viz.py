@@ -300,6 +300,10 @@ def test_command_errors_are_one_clear_line(tmp_path, capsys):
     np.save(tmp_path / "objects.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
     assert viz.main(["--npy", str(tmp_path / "objects.npy")]) == 2
     assert "objects.npy: holds Python objects, not numbers" in capsys.readouterr().err
+    np.save(tmp_path / "cut.npy", np.eye(3))
+    (tmp_path / "cut.npy").write_bytes((tmp_path / "cut.npy").read_bytes()[:-20])
+    assert viz.main(["--npy", str(tmp_path / "cut.npy")]) == 2
+    assert "cut.npy: is damaged or cut short" in capsys.readouterr().err
     def too_large(*args, **kwargs):
         raise MemoryError  # as NumPy's allocation of a very long --length's weights does
     with pytest.MonkeyPatch.context() as patch:

@@ -82,7 +82,15 @@ def check_callable(name, fn):
     return fn
 
 
+def _refuse_numpy_subclasses(name, values):
+    """A mask's parameters (lengths, ids, slopes) as plain arrays: a masked array's mask would
+    be ignored, a matrix would stay 2-D. (Their byte order converts safely.)"""
+    if isinstance(values, (np.matrix, np.ma.MaskedArray)):
+        check_plain_numpy(name, values)
+
+
 def _int_array(name, values, ndim_ok):
+    _refuse_numpy_subclasses(name, values)
     arr = _arrays.to_numpy(values) if _arrays.kind_of(values) == "torch" else np.asarray(values)
     if arr.dtype == bool or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
         raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
@@ -128,6 +136,7 @@ def check_ids_fit(name, ids, batch, length, length_name):
 
 
 def check_slopes(name, slopes):
+    _refuse_numpy_subclasses(name, slopes)
     arr = np.asarray(_arrays.to_numpy(slopes), dtype=None)
     if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.floating) and not np.issubdtype(arr.dtype, np.integer):
         raise ValueError(f"{name} must be a 1-D array of numbers (one per query head), got {arr.dtype} {arr.shape}")
@@ -347,7 +356,7 @@ def check_plain_numpy(name, x):
     """NumPy subclasses whose arithmetic differs (a matrix stays 2-D, a masked array's mask
     would be ignored by some backends) and byte orders the kernels do not read."""
     if isinstance(x, np.matrix):
-        raise TypeError(f"{name} is a numpy.matrix, which cannot take attention's (..., L, D) shapes; "
+        raise TypeError(f"{name} is a numpy.matrix, which stays 2-D whatever is done to it; "
                         f"pass np.asarray({name})")
     if isinstance(x, np.ma.MaskedArray):
         raise TypeError(f"{name} is a masked array: its mask would not be applied. Pass the data "

@@ -31,8 +31,8 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         num_heads: query heads; depth = d_model // num_heads.
         num_kv_heads: key/value heads (grouped-query attention); None means num_heads.
         bias: add biases b_q, b_k, b_v, b_o (zeros at start).
-        dropout: probability of dropping an attention weight while training, in [0, 1)
-            (checked again whenever ``module.dropout`` is set).
+        dropout: probability of dropping an attention weight while training, from 0 to
+            1 - 2**-13 (checked again whenever ``module.dropout`` is set).
         device, dtype: of the parameters.
 
     Parameters W_q (E, H*depth), W_k and W_v (E, Hkv*depth), W_o (H*depth, E) are applied
@@ -228,7 +228,8 @@ def _check_masks_agree(attn_mask, key_padding_mask):
         raise ValueError(f"attn_mask and key_padding_mask must have the same number of keys S: attn_mask has "
                          f"{attn_mask.shape[-1]}, key_padding_mask {S}")
     if attn_mask.ndim == 4 and attn_mask.shape[0] != B:
-        raise ValueError(f"a 3-D attn_mask unfolds to {attn_mask.shape[0]} batch rows (B*num_heads / num_heads), "
+        rows = f"{attn_mask.shape[0]} batch row{'s' * (attn_mask.shape[0] != 1)}"
+        raise ValueError(f"a 3-D attn_mask unfolds to {rows} (B*num_heads / num_heads), "
                          f"but key_padding_mask has {B}")
 
 

@@ -357,16 +357,17 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def _load_npy(path):
-    """One array from a .npy file; anything else (text, a .npz archive, pickled objects) is
-    named for what it is, not as NumPy's pickle advice."""
+    """One array from a .npy file; anything else (text, a .npz archive, pickled objects, a
+    damaged file) is named for what it is, not with NumPy's advice to allow pickles."""
     with open(path, "rb") as f:
         is_npy = f.read(6) == b"\x93NUMPY"
     if not is_npy:
         raise ValueError(f"--npy {path}: not a NumPy .npy file (np.save writes one; a .npz archive holds several)")
     try:
         return np.load(path, allow_pickle=False)
-    except ValueError as error:
-        raise ValueError(f"--npy {path}: holds Python objects, not numbers ({error})") from None
+    except ValueError as error:  # NumPy refuses object arrays by naming allow_pickle
+        what = "holds Python objects, not numbers" if "allow_pickle" in str(error) else "is damaged or cut short"
+        raise ValueError(f"--npy {path}: {what} ({error})") from None
 
 
 def load_weights(args):
