@@ -321,6 +321,7 @@ def _peak_mib(call, device: str) -> float | None:
     return (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
+#: Timed rounds per workload where --repeats does not say.
 DEFAULT_REPEATS = 5
 
 #: Idle time before each timed call. OpenMP pools (torch's, BLAS's) keep spinning for a few
@@ -472,9 +473,9 @@ def add_arguments(parser) -> None:
                         help="B,H,L,D or B,Hq,Hkv,Lq,Lk,D (repeatable); replaces the default suite")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="dtype of --shape workloads")
     parser.add_argument("--device", choices=["cpu", "cuda"],
-                        help="cpu (the default), or cuda: qkv's triton kernel against torch's flash and cuDNN SDPA and flex_attention; "
-                             "the default suite becomes bfloat16 forward and backward at head dims 64 and 128, "
-                             "L 512 to 16k")
+                        help="cpu (the default), or cuda: qkv's triton kernel against torch's flash and cuDNN SDPA "
+                             "and flex_attention; the default suite becomes bfloat16 forward and backward at head "
+                             "dims 64 and 128, L 512 to 16k")
     parser.add_argument("--causal", action="store_true",
                         help="--shape workloads are causal, top-left aligned as torch's is_causal (query i sees keys "
                              "0..i); refused for decoding shapes (forward, Lq <= 16, Lk >= 1024: rated by the K and V "

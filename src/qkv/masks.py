@@ -190,7 +190,8 @@ class Mask:
         try:
             self.check(geom)
         except inputs.SizeMismatch as error:
-            unset = [name for name, value in (("batch", batch), ("heads", heads)) if value is None and name in error.dims]
+            unset = [name for name, value in (("batch", batch), ("heads", heads))
+                     if value is None and name in error.dims]
             if unset:  # materialized for one batch row or head: the mask's data may hold more
                 one = " and one ".join(_WHAT[n] for n in unset)
                 raise ValueError(f"{error} (materialized for one {one}: if the mask's data holds more, "
