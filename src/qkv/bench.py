@@ -257,16 +257,15 @@ def checked_rows(Lq: int) -> np.ndarray:
     return np.unique(np.linspace(0, Lq - 1, min(Lq, CHECKED_ROWS)).round().astype(np.int64))
 
 
-def _reference_result(w: Workload, rows: np.ndarray, dtype: str) -> np.ndarray:
+def _reference_result(w: Workload, q, k, v, rows: np.ndarray, dtype: str) -> np.ndarray:
     """The output on the given query rows, or their dq with the backward, as the tolerance
     rule's yardsticks take them: qkv's reference backend in `dtype` (lower precisions
     accumulating in float32), and for dq its own backward, in float64 or in float32 rounded to
-    `dtype`; on the workload's inputs, top-left causal where asked. A row's output and dq
-    depend on its own query row alone, so a few rows cost little."""
+    `dtype`; q (those rows only), k and v: the workload's inputs as CPU tensors; top-left
+    causal where asked. A row's output and dq depend on its own query row alone, so a few rows
+    cost little."""
     import torch
 
-    q, k, v = (x.detach().cpu() for x in _inputs(w, "torch"))
-    q = q[:, :, torch.from_numpy(rows)]  # (B, Hq, R, D)
     allowed = np.arange(w.Lk) <= rows[:, None] if w.causal else None  # (R, Lk): key j <= query i
     if not w.backward:
         t = getattr(torch, dtype)
@@ -286,9 +285,13 @@ class OutputCheck:
     gradient tests scale it)."""
 
     def __init__(self, w: Workload):
+        import torch
+
         self.rows = checked_rows(w.Lq)
-        self.want = _reference_result(w, self.rows, "float64")
-        reference_err = max_error(_reference_result(w, self.rows, w.dtype), self.want)
+        q, k, v = (x.detach().cpu() for x in _inputs(w, "torch"))
+        q = q[:, :, torch.from_numpy(self.rows)]  # (B, Hq, R, D)
+        self.want = _reference_result(w, q, k, v, self.rows, "float64")
+        reference_err = max_error(_reference_result(w, q, k, v, self.rows, w.dtype), self.want)
         magnitude = max(1.0, float(np.abs(self.want).max(initial=0.0))) if w.backward else 1.0
         self.bound = 2 * reference_err + ATOL[w.dtype] * magnitude
 
