@@ -546,8 +546,8 @@ def prepare(q, k, v, mask=None, *, score_mod=None, scale=None, dropout_p=0.0, se
         m.check(inp.geom)
         if isinstance(m, masks.Alibi):  # its largest term: a slope times the farthest key
             farthest = max(inp.Lq, inp.Lk, 2) - 1  # at least 1: the slope itself becomes float32
-            check_float32_range(f"slopes times the largest distance ({farthest})",
-                                float(np.abs(m.slopes).max(initial=0.0)) * farthest, dtype, m.slopes.tolist())
+            check_float32_range(f"slopes times the largest distance ({farthest})", m.largest * farthest, dtype,
+                                m.slopes.tolist())
     return inp
 
 

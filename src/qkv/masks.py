@@ -844,6 +844,7 @@ class Alibi(ScoreMod):
 
     def __init__(self, slopes):
         self.slopes = inputs.check_slopes("slopes", slopes)
+        self.largest = float(np.abs(self.slopes).max(initial=0.0))  # checked against float32 per call
         # slopes that require grad or carry a forward-mode tangent: the formula paths
         # (attention_weights) differentiate through them; attention refuses them
         # (inputs.refuse_trainable_rules)
