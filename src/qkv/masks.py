@@ -916,7 +916,8 @@ def alibi(slopes) -> ScoreMod:
     """ALiBi: adds -slopes[h] * |i' - j| (i' = i + Lk - Lq) to every score.
 
     slopes: (Hq,), one finite number per query head (``qkv.positional.alibi_slopes(Hq)``
-    gives the usual ones). Slopes that require grad or carry a forward-mode tangent are for
+    gives the usual ones); for inputs that compute in float32, a slope times the farthest key
+    (max(Lq, Lk) - 1) must lie within float32's range. Slopes that require grad or carry a forward-mode tangent are for
     ``attention_weights`` only: ``attention`` refuses them (those that require grad only while
     gradients are recorded).
     """
