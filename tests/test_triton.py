@@ -14,7 +14,7 @@ import pytest
 import qkv
 from helpers import check_backend, check_bfloat16_short_row, check_gradients, to64
 from qkv import dispatch, inputs
-from qkv.backends.triton import interpreting
+from qkv.backends.triton import MAX_ALIBI_TERM, interpreting
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton", reason="Triton is not installed (pip install 'qkv[triton]')")
@@ -401,7 +401,10 @@ def test_alibi_near_float32s_range_gives_no_nan(rng):
     q, k, v = (make(rng, (1, 1, 100, 8), "float32") for _ in range(3))
     with pytest.raises(ValueError, match=r"slopes times the largest distance \(99\) must lie within float32's range"):
         qkv.attention(q, k, v, score_mod=qkv.alibi(np.array([1e37])), backend="triton")
-    slopes = np.array([3.4e38 / 99])
+    past_log2 = qkv.alibi(np.array([3.4e38 / 99]))  # accepted, but times log2(e) past float32 in the kernels
+    with pytest.raises(qkv.BackendError, match=r"alibi slopes whose term at the farthest key \(99\) passes 1.18e\+38"):
+        qkv.attention(q, k, v, score_mod=past_log2, backend="triton")
+    slopes = np.array([MAX_ALIBI_TERM / 99])
     got = qkv.attention(q, k, v, score_mod=qkv.alibi(slopes), backend="triton")
     want = qkv.attention(q, k, v, score_mod=qkv.alibi(slopes), backend="torch")
     assert not got.isnan().any()

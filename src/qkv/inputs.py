@@ -545,7 +545,7 @@ def prepare(q, k, v, mask=None, *, score_mod=None, scale=None, dropout_p=0.0, se
     for m in mods:
         m.check(inp.geom)
         if isinstance(m, masks.Alibi):  # its largest term: a slope times the farthest key
-            farthest = max(inp.Lq, inp.Lk, 2) - 1  # at least 1: the slope itself becomes float32
+            farthest = masks.farthest_key(inp.Lq, inp.Lk)
             check_float32_range(f"slopes times the largest distance ({farthest})", m.largest * farthest, dtype,
                                 m.slopes.tolist())
     return inp

@@ -912,6 +912,12 @@ class Bias(_DenseArray, ScoreMod):
         return f"bias(shape={tuple(self.array.shape)})"
 
 
+def farthest_key(Lq: int, Lk: int) -> int:
+    """ALiBi's largest distance |i + Lk - Lq - j| over a call, at least 1: what a slope is
+    multiplied by at most (and at least the slope itself, which is cast too)."""
+    return max(Lq, Lk, 2) - 1
+
+
 def alibi(slopes) -> ScoreMod:
     """ALiBi: adds -slopes[h] * |i' - j| (i' = i + Lk - Lq) to every score.
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..masks import And, Alibi, Causal, Document, IntervalMask, Softcap, _LaterRows
+from ..masks import And, Alibi, Causal, Document, IntervalMask, Softcap, _LaterRows, farthest_key
 from .base import (Backend, Capabilities, autograd_attention, cdiv, clip_intervals, key_intervals, saved_output_bytes,
                    softmax_delta)
 
@@ -125,13 +125,22 @@ class _MaskPlan:
 
 #: The largest |scale| the kernels take: they fold scale·log2(e) into one float32.
 MAX_SCALE = float(np.finfo(np.float32).max) / math.log2(math.e)
+#: alibi's largest term the kernels take: half of MAX_SCALE, room for the score it is taken from
+MAX_ALIBI_TERM = MAX_SCALE / 2
 
 
 def _scale_reasons(inp) -> list[str]:
+    """The kernels work in log2 units: a scale, or alibi's slope times the farthest key, whose
+    product with log2(e) overflows float32 turns scores that are finite to -inf."""
+    reasons = []
     if abs(inp.scale) > MAX_SCALE:
-        return [f"a scale above {MAX_SCALE:.3g} (the kernels work in log2 units: scale·log2(e) would overflow "
-                "float32)"]
-    return []
+        reasons.append(f"a scale above {MAX_SCALE:.3g} (the kernels work in log2 units: scale·log2(e) would "
+                       "overflow float32)")
+    farthest = farthest_key(inp.Lq, inp.Lk)
+    if any(isinstance(m, Alibi) and m.largest * farthest > MAX_ALIBI_TERM for m in inp.score_mods):
+        reasons.append(f"alibi slopes whose term at the farthest key ({farthest}) passes {MAX_ALIBI_TERM:.3g} (the "
+                       "kernels work in log2 units: the score less it, times log2(e), would overflow float32)")
+    return reasons
 
 
 def _interpreter_reasons(inp) -> list[str]:
