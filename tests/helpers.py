@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import qkv
 from qkv import dispatch, inputs
@@ -28,6 +29,20 @@ from qkv.backends.base import ATOL, within_rule  # noqa: E402 (the tolerance rul
 #: (GPU backends have their own tests).
 BACKENDS = [name for name, b in dispatch.REGISTRY.items()
             if name != "reference" and b.missing() is None and b.runs_on_cpu]
+
+
+#: Skips a test that needs the native kernel where it is not built or cannot load here.
+needs_native = pytest.mark.skipif(dispatch.REGISTRY["native"].missing() is not None,
+                                  reason=str(dispatch.REGISTRY["native"].missing()))
+
+
+def native_here() -> bool:
+    return dispatch.REGISTRY["native"].missing() is None
+
+
+def backend_params(*names):
+    """Backend names for parametrize, native skipped where it cannot run here."""
+    return [pytest.param(name, marks=needs_native) if name == "native" else name for name in names]
 
 
 def kind_of_backend(name: str) -> str:

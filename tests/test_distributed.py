@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -520,6 +521,15 @@ def test_ring_attention_errors_before_any_communication():
         qd.ring_attention(q, k.double(), v)
     with pytest.raises(RuntimeError, match="init_process_group"):
         qd.ring_attention(q, k, v, qkv.causal() & qkv.padding([6]))
+
+
+def test_without_torch_a_ring_call_gets_its_own_error():
+    """It was told its torch lacked torch.distributed: the argument error came second."""
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import numpy as np, qkv.distributed as qd\n"
+            "qd.ring_attention(*[np.zeros((1, 2, 4, 8), np.float32)] * 3)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "TypeError: ring_attention takes torch tensors" in done.stderr, done.stderr
 
 
 def test_padding_lengths_are_checked_against_the_global_length(world_of_one):

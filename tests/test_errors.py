@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import qkv
+from helpers import backend_params
 
 torch = pytest.importorskip("torch")
 import qkv.torch  # noqa: E402
@@ -465,7 +466,7 @@ def test_a_mask_on_the_meta_device_is_refused_by_name(mask):
         qkv.attention(TQ, TK, TV, mask)
 
 
-@pytest.mark.parametrize("backend", ["torch", "native", None])
+@pytest.mark.parametrize("backend", backend_params("torch", "native", None))
 def test_trainable_tensors_in_score_modifiers_are_refused_not_left_without_gradient(backend):
     q = TQ.clone().requires_grad_()
     learned = torch.zeros(HQ, LQ + LK, requires_grad=True)  # a relative-position bias being trained

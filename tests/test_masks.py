@@ -5,8 +5,8 @@ import pytest
 
 import qkv
 from qkv import masks
-from helpers import (check_backend, convert, dtypes_of_backend, kind_of_backend, precise_dtype, random_qkv,
-                     to64)
+from helpers import (backend_params, check_backend, convert, dtypes_of_backend, kind_of_backend, precise_dtype,
+                     random_qkv, to64)
 
 B, H = 2, 2
 
@@ -36,7 +36,7 @@ def test_window(left, right, align):
 
 
 @pytest.mark.parametrize("side", [2**63 - 1, 2**64, 10**30])
-@pytest.mark.parametrize("backend", ["numpy", "native", "torch"])
+@pytest.mark.parametrize("backend", backend_params("numpy", "native", "torch"))
 def test_window_sides_past_int64_mean_no_limit(side, backend):
     for Lq, Lk in [(3, 3), (5, 3)]:  # queries past the keys: bottom-right shifts them back
         right_open, left_open = qkv.window(0, side), qkv.window(side, 0)
@@ -372,7 +372,7 @@ def test_score_modifiers(backend, rng, mod):
     check_backend(backend, arrays, arrays64, dtype, mask=qkv.causal(), score_mod=mods)
 
 
-@pytest.mark.parametrize("backend", ["torch", "native", "reference"])
+@pytest.mark.parametrize("backend", backend_params("torch", "native", "reference"))
 def test_a_rule_may_answer_in_numpy_for_torch_inputs(backend, rng):
     torch = pytest.importorskip("torch")
     q, k, v = (torch.from_numpy(rng.standard_normal((1, 2, n, 8)).astype(np.float32)) for n in (9, 9, 9))

@@ -424,7 +424,8 @@ def machine() -> dict:
         "native_threads": dispatch.REGISTRY["native"].call_threads() if native._native else None,
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__, "qkv": __version__,
-        "native_isa": native._native.isa() if native._native else "not built",
+        "native_isa": native._native.isa() if native._native else "unavailable",
+        "native_missing": dispatch.REGISTRY["native"].missing(),
         "native_threading": native._native.threading() if native._native else None,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "cuda": torch.version.cuda,
@@ -552,6 +553,8 @@ def run(args) -> int:
     console.print(f"{info['cpu']} ({info['machine']}), {info['cpus']} CPUs, native kernel: {info['native_isa']}"
                   f"{native_runs}, torch on {info['torch_threads']} threads; "
                   f"qkv {info['qkv']}, torch {info['torch']}, numpy {info['numpy']}, python {info['python']}")
+    if info["native_missing"]:
+        console.print(info["native_missing"], style="dim", markup=False)
     results = []
     with Progress(console=console, transient=True) as bar:
         for w in workloads:

@@ -690,7 +690,9 @@ def _validate(q, k, v, mask, scale, layout, stats) -> _Call:
 def _connect(group, error) -> _Ring:
     try:
         import torch.distributed as dist
-    except ImportError as missing:  # pragma: no cover - torch builds without distributed
+    except ImportError as missing:  # no torch at all (inputs then cannot be valid), or one without distributed
+        if error is not None:  # no process group to agree over: this call's own error
+            raise error from None
         raise RuntimeError(f"ring_attention needs torch.distributed, which this torch lacks ({missing})") from None
     if not dist.is_available() or not dist.is_initialized():
         if error is not None:

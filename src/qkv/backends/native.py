@@ -45,10 +45,11 @@ else:
 
 def _warn_unmet_isa_request(asked, chosen: str) -> None:
     """QKV_ISA names a lower instruction set to run (tests); say so when it is not what runs."""
-    if asked is None or asked.strip().lower() == chosen or not chosen:
+    wanted = "".join(asked.split()).lower() if asked is not None else None  # as the kernel reads it
+    if asked is None or wanted == chosen or not chosen:
         return
     known = ("generic", "avx2", "avx512")
-    why = "more than this CPU has or this build holds" if asked.strip().lower() in known \
+    why = "more than this CPU has or this build holds" if wanted in known \
         else f"not one of {', '.join(known)}"
     warnings.warn(f"QKV_ISA={asked!r} is {why}; the native kernel runs {chosen}", RuntimeWarning, stacklevel=2)
 
