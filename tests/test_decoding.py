@@ -104,6 +104,30 @@ def test_a_trainable_query_projection_alone_gets_the_gradient_of_one_causal_pass
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("then", ["a step under no_grad", "reset and a step under no_grad"])
+def test_a_trainable_query_projection_keeps_its_graph_through_later_untracked_steps(then):
+    """Frozen keys and values: the recorded step's cache arrays do not require grad, yet its
+    graph saved views of them. A later step under no_grad (or after reset) wrote into them in
+    place, and the pending backward failed."""
+    torch = pytest.importorskip("torch")
+    mha, _, _ = make("torch", num_kv_heads=2)
+    for name in ("W_k", "b_k", "W_v", "b_v"):
+        getattr(mha, name).requires_grad_(False)
+    x = torch.tensor(np.random.default_rng(8).standard_normal((1, 6, D_MODEL)))
+    cache = mha.init_cache(1, 8)
+    out, _ = mha(x[:, :4], cache=cache)
+    if then.startswith("reset"):
+        cache.reset()
+    with torch.no_grad():
+        mha(x[:, 4:6], cache=cache)
+    mha.zero_grad()
+    out.square().sum().backward()
+    got = mha.W_q.grad.clone()
+    mha.zero_grad()
+    mha(x[:, :4], mask=qkv.causal())[0].square().sum().backward()
+    torch.testing.assert_close(got, mha.W_q.grad, rtol=1e-10, atol=1e-12)
+
+
 def test_a_reset_cache_records_the_next_sequence_afresh():
     """After a recorded sequence and its backward, reset() and a second recorded sequence: its
     backward gives what a fresh cache's does (it used to backward into the first graph)."""

@@ -50,6 +50,7 @@ class KVCache:
         self.keys = keys  # (B, Hkv, T, depth)
         self.values = values  # (B, Hkv, T, depth)
         self.length = 0
+        self._recorded = False  # whether autograd recorded through the arrays now held (saving views of them)
 
     @classmethod
     def empty(cls, batch_size, num_kv_heads, max_len, depth, like) -> "KVCache":
@@ -83,10 +84,12 @@ class KVCache:
                              f"{self.length} are filled and this call adds {n}; "
                              "create it with a larger max_len (module.init_cache(batch_size, max_len))")
         end = self.length + n
-        if _new_version((k, v, queries), self.keys):  # graphs of earlier steps keep theirs
+        recording = _recording((k, v, queries), self.keys)
+        if recording or self._held_by_a_graph():  # graphs of earlier steps keep theirs
             with _normal_tensors(self.keys):
                 self.keys = self.keys.slice_scatter(k, dim=2, start=self.length, end=end)
                 self.values = self.values.slice_scatter(v, dim=2, start=self.length, end=end)
+            self._recorded = recording
         else:
             self.keys[:, :, self.length:end] = k
             self.values[:, :, self.length:end] = v
@@ -104,9 +107,16 @@ class KVCache:
         a graph autograd recorded holds them: new ones then, so the next sequence's graph does
         not hang from the last one's (nor keep it alive)."""
         self.length = 0
-        if _arrays.is_torch(self.keys) and self.keys.requires_grad:
+        if self._held_by_a_graph():
             with _normal_tensors(self.keys):
                 self.keys, self.values = (_zeros(x.shape, x) for x in (self.keys, self.values))
+            self._recorded = False
+
+    def _held_by_a_graph(self) -> bool:
+        """Whether a graph autograd recorded may hold views of the arrays: written in place,
+        they would change what it saved, and torch's backward refuses that. Through the keys
+        themselves, or through the queries alone (a trainable query projection, frozen K/V)."""
+        return self._recorded or (_arrays.is_torch(self.keys) and self.keys.requires_grad)
 
     def _check_new(self, k, v):
         keys = self.keys
@@ -135,15 +145,10 @@ class KVCache:
         return f"KVCache(batch_size={B}, num_kv_heads={H}, depth={depth}, length={self.length}, max_len={T})"
 
 
-def _new_version(arrays, keys) -> bool:
-    """Whether this write must make a new version of the cache rather than write in place:
-    where a recorded graph holds the cache (a step under no_grad after recorded ones too), or
-    where autograd records through any of `arrays` (the new keys and values, the queries),
-    whose graph then saves views of the cache. In place, the next write would change what
-    that graph saved, and torch's backward refuses that."""
-    if not _arrays.is_torch(keys):
-        return False
-    return keys.requires_grad or (_arrays.grad_enabled() and any(x is not None and x.requires_grad for x in arrays))
+def _recording(arrays, keys) -> bool:
+    """Whether autograd records through any of `arrays` (the new keys and values, the
+    queries): its graph then saves views of the cache, so this write makes a new version."""
+    return _arrays.is_torch(keys) and _arrays.grad_enabled() and any(x is not None and x.requires_grad for x in arrays)
 
 
 def _normal_tensors(keys):
