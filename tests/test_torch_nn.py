@@ -358,6 +358,30 @@ def test_a_3d_mask_tensor_is_refused_as_ambiguous_and_4d_ones_mean_what_they_say
     assert mha(x, mask=per_row[:1])[0].shape == (2, 3, 8)  # one row for every batch row: not ambiguous
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("cached", [False, True])
+def test_under_autocast_the_module_takes_what_autocast_made_of_earlier_layers(bias, cached):
+    """A Linear before it under autocast hands it bfloat16 activations, which torch's own module
+    takes: they were refused as another dtype than the parameters'. Autocast casts a float32
+    input to bfloat16 for the projections anyway, so both give the same output; and with a
+    bias the output stays in autocast's dtype (the float32 bias promoted it back)."""
+    torch.manual_seed(0)
+    mha = qt.MultiHeadAttention(32, 4, num_kv_heads=2, bias=bias)
+    with torch.no_grad():
+        mha.b_q.normal_() if bias else None
+    x = torch.randn(2, 6, 32)
+    cache = lambda: mha.init_cache(2, 6) if cached else None  # noqa: E731
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        from_linear = x.to(torch.bfloat16)
+        got = mha(from_linear, cache=cache())[0]
+        want = mha(x, cache=cache())[0]
+        crossed = mha(x, from_linear, from_linear)[0]  # a float32 query over bfloat16 keys and values
+    assert got.dtype == want.dtype == crossed.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(TypeError, match="query has dtype torch.bfloat16 but the module's parameters are"):
+        mha(from_linear)  # outside autocast: a dtype the parameters are not
+
+
 @pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cached", [False, True])
 def test_a_float_mask_under_autocast_takes_the_heads_dtype(bias_dtype, cached):

@@ -34,6 +34,16 @@ def autocast_off(x):
     return torch.autocast(x.device.type, enabled=False)
 
 
+def autocast_dtype(x):
+    """The dtype torch's autocast gives operations on x's device where it is on; else None."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(x, torch.Tensor) or not torch.is_autocast_enabled(x.device.type):
+        return None
+    if hasattr(torch, "get_autocast_dtype"):
+        return torch.get_autocast_dtype(x.device.type)
+    return torch.get_autocast_cpu_dtype() if x.device.type == "cpu" else torch.get_autocast_gpu_dtype()  # torch < 2.4
+
+
 def autocast_cast(x, like):
     """x (a float torch tensor, or anything) in like's dtype where torch's autocast chose like's
     dtype on its device, as torch's own modules cast their float masks; else x as it is."""

@@ -129,9 +129,10 @@ class AttentionCore:
         return x.swapaxes(1, 2).reshape(B, L, H * depth)  # (B, L, H*depth)
 
     def _project(self, x, which: str):
-        """x @ W_which (+ b_which)."""
+        """x @ W_which (+ b_which); under torch's autocast, the bias in autocast's dtype too,
+        as nn.Linear's (added in float32, it promoted the heads back to float32)."""
         y = x @ getattr(self, "W_" + which)
-        return y + getattr(self, "b_" + which) if self.bias else y
+        return y + _arrays.autocast_cast(getattr(self, "b_" + which), y) if self.bias else y
 
     # ---- the computation --------------------------------------------------------------------
     def call(self, tensors):
@@ -199,7 +200,8 @@ class AttentionCore:
         if tuple(value.shape[:2]) != tuple(key.shape[:2]):
             raise ValueError(f"key and value must have the same (batch, length); got key {tuple(key.shape)}, "
                              f"value {tuple(value.shape)}")
-        if not query.dtype == key.dtype == value.dtype:  # the projections would differ: never a silent cast
+        # the projections would differ: never a silent cast (under autocast they all take its dtype)
+        if not query.dtype == key.dtype == value.dtype and _arrays.autocast_dtype(query) is None:
             raise TypeError(f"query, key and value must share one dtype; got query {query.dtype}, key {key.dtype}, "
                             f"value {value.dtype}")
         self._check_cache(query, cache)
@@ -221,7 +223,7 @@ class AttentionCore:
         if cache.keys.dtype != self.W_k.dtype:  # the module was converted after init_cache
             raise TypeError(f"the cache holds {cache.keys.dtype} but the module's parameters are {self.W_k.dtype}; "
                             f"make a new cache with init_cache(batch_size, max_len) after converting the module")
-        if _projected_dtype(query, self.W_k) != cache.keys.dtype:
+        if _projected_dtype(query, self.W_k) != cache.keys.dtype and _arrays.autocast_dtype(query) is None:
             raise TypeError(f"query has dtype {query.dtype} but the cache holds {cache.keys.dtype} (init_cache "
                             f"makes it in the module's dtype); convert the query to {cache.keys.dtype}, or "
                             f"build the module and its cache in {query.dtype}")

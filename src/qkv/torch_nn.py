@@ -106,7 +106,8 @@ class MultiHeadAttention(AttentionCore, nn.Module):
         return self._attend(query, key, value, mask, need_weights, cache, dropout_p, score_mod)
 
     def _check_dtype(self, name, x):
-        if x.dtype != self.W_q.dtype:
+        # under autocast, also what autocast makes of earlier layers, as torch's own module takes
+        if x.dtype != self.W_q.dtype and x.dtype != _arrays.autocast_dtype(x):
             raise TypeError(f"{name} has dtype {x.dtype} but the module's parameters are {self.W_q.dtype}; "
                             f"convert one of them (module.to(dtype) or {name}.to(dtype))")
 
