@@ -380,6 +380,9 @@ def test_under_autocast_the_module_takes_what_autocast_made_of_earlier_layers(bi
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     with pytest.raises(TypeError, match="query has dtype torch.bfloat16 but the module's parameters are"):
         mha(from_linear)  # outside autocast: a dtype the parameters are not
+    wide = qt.MultiHeadAttention(32, 4, dtype=torch.float64)  # autocast leaves float64 alone: still refused
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(TypeError, match="parameters are torch.float64"):
+        wide(from_linear, cache=wide.init_cache(2, 6) if cached else None)
 
 
 @pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])

@@ -31,9 +31,11 @@ class KVCache:
     steps, ``stage`` then ``commit``, so a call that fails in between leaves the cache as
     it was. The arrays are written in place, except while torch records gradients through
     the new keys, values or queries: then each call makes new arrays (a copy of max_len positions),
-    so a backward reaches every step. Decode under ``torch.no_grad()`` unless you need that.
-    The arrays keep the dtype they were made with (the module's): new keys and values must
-    have it, as they are never cast (the modules refuse a query that would need a cast).
+    so a backward reaches every step; so does the first call after such calls, which a graph
+    holds. Decode under ``torch.no_grad()`` unless you need that. The arrays keep the dtype
+    they were made with (the module's): new keys and values must have it, as they are never
+    cast here (the modules refuse a query that would need a cast, except under torch's
+    autocast, where they cast the heads to the cache's dtype).
     """
 
     def __init__(self, keys, values):

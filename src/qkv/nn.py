@@ -163,8 +163,8 @@ class AttentionCore:
         q = self._split_heads(self._project(query, "q"), self.num_heads)  # (B, Hq, Lq, depth)
         k = self._split_heads(self._project(key, "k"), self.num_kv_heads)  # (B, Hkv, Lk, depth)
         v = self._split_heads(self._project(value, "v"), self.num_kv_heads)  # (B, Hkv, Lk, depth)
-        if cache is not None and k.dtype != cache.keys.dtype:  # torch's autocast narrowed the projections
-            q, k, v = (x.to(cache.keys.dtype) for x in (q, k, v))  # (_check_cache refuses the rest): widened
+        if cache is not None and k.dtype != cache.keys.dtype:  # torch's autocast changed the projections' dtype
+            q, k, v = (x.to(cache.keys.dtype) for x in (q, k, v))  # to the cache's (_check_cache refuses it elsewhere)
         mask = _arrays.autocast_cast(mask, q)  # a float mask (bias) in the heads' dtype, under autocast
         mask = _widened_bias(mask, q)
         if cache is not None:
@@ -268,7 +268,8 @@ def _check_heads_input(method, x, ndim, last, shape_text):
 
 
 def _projected_dtype(x, weight):
-    """The dtype of x @ weight: NumPy promotes; the torch module has required x.dtype == weight.dtype."""
+    """The dtype of x @ weight: NumPy promotes; the torch module has required x.dtype == weight.dtype
+    (outside autocast, where alone _check_cache asks)."""
     return np.result_type(x.dtype, weight.dtype) if isinstance(x, np.ndarray) else x.dtype
 
 

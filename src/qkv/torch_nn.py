@@ -93,8 +93,9 @@ class MultiHeadAttention(AttentionCore, nn.Module):
                 ``cache.length + i`` of the sequence (``Mask.from_query``); mask arrays hold
                 this call's rows.
                 Decode under ``torch.no_grad()``: the cache is written in place (while
-                autograd records, each call copies it, so gradients reach every step). The
-                cache holds the module's dtype (query must have it too).
+                autograd records, each call copies it, so gradients reach every step, and so
+                does the first call after). The cache holds the module's dtype (query must
+                have it too, or under autocast autocast's, which the heads are then cast from).
             score_mod: a score modifier (``qkv.alibi(slopes)``, ``qkv.softcap(cap)``,
                 ``qkv.score_fn(fn)``) or a list of them, applied to the scaled scores after a
                 float ``mask``, as in ``qkv.attention``.
@@ -107,7 +108,9 @@ class MultiHeadAttention(AttentionCore, nn.Module):
 
     def _check_dtype(self, name, x):
         # under autocast, also what autocast makes of earlier layers, as torch's own module takes
-        if x.dtype != self.W_q.dtype and x.dtype != _arrays.autocast_dtype(x):
+        # (not for float64 parameters, which autocast leaves alone)
+        autocast = _arrays.autocast_dtype(x) if self.W_q.dtype != torch.float64 else None
+        if x.dtype != self.W_q.dtype and x.dtype != autocast:
             raise TypeError(f"{name} has dtype {x.dtype} but the module's parameters are {self.W_q.dtype}; "
                             f"convert one of them (module.to(dtype) or {name}.to(dtype))")
 
