@@ -923,7 +923,9 @@ def alibi(slopes) -> ScoreMod:
 
     slopes: (Hq,), one finite number per query head (``qkv.positional.alibi_slopes(Hq)``
     gives the usual ones); for inputs that compute in float32, a slope times the farthest key
-    (max(Lq, Lk) - 1) must lie within float32's range. Slopes that require grad or carry a forward-mode tangent are for
+    (max(Lq, Lk) - 1) must lie within float32's range. The slopes are copied when alibi() is
+    called: make a new modifier after changing them (of slopes that require grad, the torch
+    operations that differentiate through them read the tensor itself). Slopes that require grad or carry a forward-mode tangent are for
     ``attention_weights`` only: ``attention`` refuses them (those that require grad only while
     gradients are recorded).
     """
