@@ -925,9 +925,9 @@ def alibi(slopes) -> ScoreMod:
     gives the usual ones); for inputs that compute in float32, a slope times the farthest key
     (max(Lq, Lk) - 1) must lie within float32's range. The slopes are copied when alibi() is
     called: make a new modifier after changing them (of slopes that require grad, the torch
-    operations that differentiate through them read the tensor itself). Slopes that require grad or carry a forward-mode tangent are for
-    ``attention_weights`` only: ``attention`` refuses them (those that require grad only while
-    gradients are recorded).
+    operations that differentiate through them read the tensor itself). Slopes that require
+    grad or carry a forward-mode tangent are for ``attention_weights`` only: ``attention``
+    refuses them (those that require grad only while gradients are recorded).
     """
     return Alibi(slopes)
 
