@@ -606,7 +606,7 @@ def _notes(results: list[Result], workloads: list[Workload]) -> list[str]:
     run or sat out, and how decoding's share is taken."""
     notes = [f"{r.workload} / {r.impl}: WRONG output, {r.check}" for r in results if r.wrong]
     notes += [f"{r.workload} / {r.impl}: did not run ({r.error})" for r in results if r.error]
-    notes += [f"{w.name}: left out {', '.join(_left_out(w))}" for w in workloads if _left_out(w)]
+    notes += [f"{w.name}: left out {', '.join(left_out)}" for w in workloads if (left_out := _left_out(w))]
     if any(r.impl == MEMORY_READ and r.rate for r in results):
         notes.append(f"decoding: (n%) is the share of the '{MEMORY_READ}' row's rate, a sum over as many bytes "
                      "as K and V hold, timed in the same rounds (medians of both)")

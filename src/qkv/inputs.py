@@ -341,9 +341,7 @@ def _check_tensor(name, x, kind, names=("q", "k", "v")):
     if kind is not None and got != kind:
         raise TypeError(f"{_listed(names)} must all be NumPy arrays or all torch tensors; "
                         f"{names[0]} is {kind}, {name} is {got}")
-    if got == "numpy":
-        check_plain_numpy(name, x)
-    check_strided(name, x)
+    check_strided(name, x)  # NumPy subclasses and byte orders too
     dtype = dtype_name(x)
     if dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must have a floating dtype ({', '.join(FLOAT_DTYPES)}), got {dtype}")

@@ -236,9 +236,7 @@ class AttentionCore:
             other = "qkv.torch.MultiHeadAttention" if kind == "torch" else "qkv.MultiHeadAttention"
             raise TypeError(f"{name} must be a {_KIND_NAMES[self._kind]}, got a {_KIND_NAMES[kind]}; "
                             f"for {kind} inputs use {other}")
-        if kind == "numpy":
-            inputs.check_plain_numpy(name, x)
-        inputs.check_strided(name, x)
+        inputs.check_strided(name, x)  # NumPy subclasses and byte orders too
         if x.ndim != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"{name} must have shape (batch, length, d_model={self.d_model}), "
                              f"got {tuple(x.shape)}")
