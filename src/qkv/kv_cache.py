@@ -34,10 +34,10 @@ class KVCache:
     so a backward reaches every step; so does the first call after such calls, which a graph
     holds (a call under ``no_grad`` between recorded ones makes its copy without history, so
     later graphs do not reach the positions before it). Decode under ``torch.no_grad()``
-    unless you need gradients. The arrays keep the dtype
-    they were made with (the module's): new keys and values must have it, as they are never
-    cast here (the modules refuse a query that would need a cast, except under torch's
-    autocast, where they cast the heads to the cache's dtype).
+    unless you need gradients. The arrays keep the dtype they were made with (the module's):
+    new keys and values must have it, as they are never cast here (the modules refuse a query
+    that would need a cast, except under torch's autocast, where they cast the heads to the
+    cache's dtype).
     """
 
     def __init__(self, keys, values):
