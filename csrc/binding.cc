@@ -31,7 +31,7 @@ using FlatOut = nb::ndarray<T, nb::c_contig, nb::device::cpu>;
 
 namespace {
 
-enum class Isa { Generic, Avx2, Avx512, Amx };
+enum class Isa { Generic, Avx2, Avx512, Avx512Bf16, Amx };
 
 #if defined(QKV_X86)
 // Linux hands out the AMX tile state only to processes that ask for it.
@@ -50,7 +50,8 @@ Isa cpu_best_isa() {
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
     best = Isa::Avx512;
-  if (best == Isa::Avx512 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("amx-tile") &&
+  if (best == Isa::Avx512 && __builtin_cpu_supports("avx512bf16")) best = Isa::Avx512Bf16;
+  if (best == Isa::Avx512Bf16 && __builtin_cpu_supports("amx-tile") &&
       __builtin_cpu_supports("amx-bf16") && amx_permitted())
     best = Isa::Amx;
 #endif
@@ -61,6 +62,8 @@ Isa cpu_best_isa() {
 constexpr Isa BUILT_BEST =
 #if defined(QKV_BUILT_AMX)
     Isa::Amx;
+#elif defined(QKV_BUILT_AVX512BF16)
+    Isa::Avx512Bf16;
 #elif defined(QKV_BUILT_AVX512)
     Isa::Avx512;
 #elif defined(QKV_BUILT_AVX2)
@@ -71,7 +74,7 @@ constexpr Isa BUILT_BEST =
 
 Isa detect_isa() {
   Isa best = std::min(cpu_best_isa(), BUILT_BEST);
-  // QKV_ISA=generic|avx2|avx512 (any case, spaces ignored) forces a lower path (tests); never
+  // QKV_ISA=generic|avx2|avx512|avx512bf16 (any case, spaces ignored) forces a lower path (tests); never
   // a higher one than the CPU has. Python warns when the request is not what runs.
   if (const char* force = std::getenv("QKV_ISA")) {
     std::string want;
@@ -80,6 +83,7 @@ Isa detect_isa() {
     if (want == "generic") best = Isa::Generic;
     else if (want == "avx2" && best >= Isa::Avx2) best = Isa::Avx2;
     else if (want == "avx512" && best >= Isa::Avx512) best = Isa::Avx512;
+    else if (want == "avx512bf16" && best >= Isa::Avx512Bf16) best = Isa::Avx512Bf16;
   }
   return best;
 }
@@ -92,6 +96,7 @@ Isa isa() {
 const char* name_of(Isa chosen) {
   switch (chosen) {
     case Isa::Amx: return "amx";
+    case Isa::Avx512Bf16: return "avx512bf16";
     case Isa::Avx512: return "avx512";
     case Isa::Avx2: return "avx2";
     default: return "generic";
@@ -172,6 +177,9 @@ void run_forward(const Forward& f) {
 #if defined(QKV_BUILT_AMX)
     case Isa::Amx: isa_amx::forward(f); break;
 #endif
+#if defined(QKV_BUILT_AVX512BF16)
+    case Isa::Avx512Bf16: isa_avx512bf16::forward(f); break;
+#endif
 #if defined(QKV_BUILT_AVX512)
     case Isa::Avx512: isa_avx512::forward(f); break;
 #endif
@@ -186,6 +194,9 @@ void run_backward(const Backward& b) {
   switch (isa()) {  // only the variants built (QKV_BUILT_*: x86 only)
 #if defined(QKV_BUILT_AMX)
     case Isa::Amx: isa_amx::backward(b); break;
+#endif
+#if defined(QKV_BUILT_AVX512BF16)
+    case Isa::Avx512Bf16: isa_avx512bf16::backward(b); break;
 #endif
 #if defined(QKV_BUILT_AVX512)
     case Isa::Avx512: isa_avx512::backward(b); break;

@@ -372,7 +372,7 @@ inline void apply_rule(const Tile& tl, float* S, int64_t rs, int64_t cs) {
 // Scores are kept transposed, Sᵀ (keys x queries): the K tile is read in place as the left
 // operand, every vector holds W queries, and the online softmax runs down columns with no
 // horizontal reductions; the output accumulates transposed too, Oᵀ (Dv x queries).
-#if defined(QKV_AMX)
+#if defined(QKV_BF16_PRODUCTS)
 // Operand tiles of every (row, key tile), packed once before the main pass: Vᵀ (Dv_pad x
 // bk_pad) and, for float32, K (bk_pad x D_pad), bf16 in `parts` planes, zero padded. A tile's
 // rows lie a padded tile width apart, not Lk apart: rows a multiple of 4 KiB apart would all
@@ -393,11 +393,11 @@ struct PackedTiles {
 
 struct ForwardPlan {
   const Forward& f;
-  int G, nq, nk, splits, tiles_per_split, np;  // np: queries of a tile, padded to W (32 with AMX)
-  int dv_rows;     // rows of Oᵀ: Dv, padded to 32 with AMX
-  bool amx;        // products on AMX tiles
-  int parts = 1;   // bfloat16 parts of each operand on AMX: 3 for float32
-#if defined(QKV_AMX)
+  int G, nq, nk, splits, tiles_per_split, np;  // np: queries of a tile, padded to W (32 for pairs)
+  int dv_rows;     // rows of Oᵀ: Dv, padded to 32 for pairs
+  bool pairs;      // products of bfloat16 pairs (pairs_matmul: AMX tiles or VDPBF16PS)
+  int parts = 1;   // bfloat16 parts of each operand: 3 for float32 on AMX
+#if defined(QKV_BF16_PRODUCTS)
   const PackedTiles* values = nullptr;  // Vᵀ tiles
   const PackedTiles* keys = nullptr;    // K tiles, float32 only (bfloat16 K is read in place)
 #endif
@@ -476,7 +476,7 @@ inline Ahead next_keys(const ForwardPlan& plan, const Tile& tj, int split, int c
   Ahead ahead;
   const int j = tj.j + 1;
   if (j >= plan.split_end(split) || tile_class(p, tj.r, tj.t, j) == qkv::EMPTY) return ahead;
-#if defined(QKV_AMX)
+#if defined(QKV_BF16_PRODUCTS)
   if (plan.keys) return {whole(plan.keys->tile(tj.r, j), plan.keys->bytes(), calls), {}};
 #endif
   const int k0 = tj.k0 + p.block_k;
@@ -601,6 +601,10 @@ inline void load_queries_transposed(const Problem& p, const Tile& tl, int G, int
 }
 
 
+#if defined(QKV_BF16_PRODUCTS)
+// ---- bfloat16 products: Sᵀ = K·Qᵀ and Oᵀ += Vᵀ·Pᵀ with operands in bfloat16 --------------------
+// B operands are in "VNNI" pairs: row p holds, for each column, the elements 2p and 2p+1 of
+// the reduction dimension, which both the tile unit and VDPBF16PS multiply and add in one step.
 #if defined(QKV_AMX)
 // ---- AMX (bfloat16 tile matrix multiply) ------------------------------------------------------
 // Eight tile registers of 16 rows x 64 bytes: C = tmm0..3 (2x2 blocks of 16x16 float32),
@@ -622,8 +626,8 @@ inline void amx_configure() {
 
 // C (rows x np, float32, ldc) (+)= A (rows x depth bf16, lda) · B (depth/2 pairs x np, VNNI, np*2 per pair).
 // rows, np and depth are multiples of 32.
-inline void amx_matmul(int rows, int np, int depth, const uint16_t* A, int64_t lda, const uint16_t* B, float* C,
-                       int64_t ldc, bool add) {
+inline void pairs_matmul(int rows, int np, int depth, const uint16_t* A, int64_t lda, const uint16_t* B, float* C,
+                         int64_t ldc, bool add) {
   for (int i = 0; i < rows; i += 32)
     for (int q = 0; q < np; q += 32) {
       float* c = C + i * ldc + q;
@@ -649,6 +653,55 @@ inline void amx_matmul(int rows, int np, int depth, const uint16_t* A, int64_t l
     }
 }
 
+#else
+// ---- VDPBF16PS (AVX-512 bfloat16 dot products) -------------------------------------------------
+// MR rows x NV vectors of C in registers; per pair of the depth, NV vectors of B's pairs and
+// one 32-bit broadcast of a row's pair of A meet in VDPBF16PS, which adds both products of a
+// pair into each float32 lane (as the tile unit does: bfloat16 products exact in float32,
+// denormal inputs read as 0, sums rounded to nearest).
+template <int MR, int NV>
+inline void pairs_micro(int depth, const uint16_t* A, int64_t lda, const uint16_t* B, int np, float* C, int64_t ldc,
+                        bool add) {
+  __m512 c[MR][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) c[r][v] = add ? _mm512_loadu_ps(C + r * ldc + v * W) : _mm512_setzero_ps();
+  for (int k = 0; k < depth; k += 2) {
+    const uint16_t* b_row = B + int64_t(k / 2) * np * 2;
+    __m512bh b[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) b[v] = (__m512bh)_mm512_loadu_si512(b_row + v * 2 * W);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      int32_t pair;
+      memcpy(&pair, A + r * lda + k, 4);
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) c[r][v] = _mm512_dpbf16_ps(c[r][v], a, b[v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(C + r * ldc + v * W, c[r][v]);
+}
+
+// C (rows x np, float32, ldc) (+)= A (rows x depth bf16, lda) · B (depth/2 pairs x np, VNNI, np*2 per pair).
+// rows, np and depth are multiples of 32, as for the tile unit.
+constexpr int PAIRS_MR = 4, PAIRS_NV = 4;
+inline void pairs_matmul(int rows, int np, int depth, const uint16_t* A, int64_t lda, const uint16_t* B, float* C,
+                         int64_t ldc, bool add) {
+  for (int q = 0; q < np; q += PAIRS_NV * W) {
+    const bool whole = np - q >= PAIRS_NV * W;  // else 2 vectors: np is a multiple of 32
+    for (int i = 0; i < rows; i += PAIRS_MR) {
+      if (whole) pairs_micro<PAIRS_MR, PAIRS_NV>(depth, A + i * lda, lda, B + q * 2, np, C + i * ldc + q, ldc, add);
+      else pairs_micro<PAIRS_MR, 2>(depth, A + i * lda, lda, B + q * 2, np, C + i * ldc + q, ldc, add);
+    }
+  }
+}
+#endif
+
 // Float32 on AMX: every float32 operand is split into three bfloat16 parts, x = x0 + x1 + x2
 // exactly (each part is the bfloat16 nearest what the parts before it left, and takes at
 // least 8 of float32's 24 significant bits). A product x·y is the sum of the six part
@@ -663,6 +716,7 @@ constexpr int PARTS = 3;
 // by k step in an order where each shares a loaded tile with the one before (12 tile loads
 // for 20 products instead of 20), then x0·y0 from the last k step down (its first A tiles
 // are still loaded). rows, np and depth are multiples of 32.
+#if defined(QKV_AMX)
 inline void amx_matmul_parts(int rows, int np, int depth, const uint16_t* A, int64_t lda, int64_t a_plane,
                              const uint16_t* B, int64_t b_plane, float* C, int64_t ldc) {
   for (int i = 0; i < rows; i += 32)
@@ -700,6 +754,7 @@ inline void amx_matmul_parts(int rows, int np, int depth, const uint16_t* A, int
       _tile_stored(2, c + 16 * ldc, ldc * 4); _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
     }
 }
+#endif
 
 // src[0:n] as `parts` bfloat16 parts, part i of src[e] to parts_out[i * n + e]: the first
 // part is src rounded to bfloat16, each next one what the parts before it leave (an
@@ -807,7 +862,7 @@ inline __m512i bf16_pairs(Vec even, Vec odd) {
   return _mm512_permutexvar_epi16(interleave, both);
 }
 
-// One pass of the online softmax for the AMX path: fold a tile of transposed scores ST
+// One pass of the online softmax for bfloat16 products: fold a tile of transposed scores ST
 // (cols x np) into m, l (np), writing P straight out as bf16 VNNI pairs of keys,
 // (keys_pad/2) x np x 2 per part (keys past cols are 0). ST is only read.
 // bfloat16 (SPLIT false): scores times `scale` give P by the degree-5 exp, one part, and
@@ -1163,9 +1218,10 @@ void float_tiles(const ForwardPlan& plan, const Tile& tl, int split, Accumulator
   });
 }
 
-#if defined(QKV_AMX)
-// Products on the AMX tile unit (float32 as bfloat16 parts), the softmax on the vector units.
-void amx_tiles(const ForwardPlan& plan, const Tile& tl, int split, Accumulator& acc) {
+#if defined(QKV_BF16_PRODUCTS)
+// Products of bfloat16 pairs (on AMX, float32 as bfloat16 parts too), the softmax on the
+// vector units.
+void pairs_tiles(const ForwardPlan& plan, const Tile& tl, int split, Accumulator& acc) {
   const Problem& p = plan.f.p;
   const int np = plan.np, Dpad = round_up(p.D, 32), keys_max = round_up(p.block_k, 32), parts = plan.parts;
   Buffer QB_(int64_t(Dpad) * np / 2 * parts), ST(int64_t(keys_max) * np), K_(parts > 1 ? 0 : keys_max * Dpad / 2),
@@ -1178,14 +1234,20 @@ void amx_tiles(const ForwardPlan& plan, const Tile& tl, int split, Accumulator& 
   // first, by scale_tile, wherever that does not hold: a scale of 0 or below, modifiers (they
   // see scaled scores), and float32 parts (their softmax takes scaled scores).
   const bool scale_first = parts > 1 || any_modifier(p) || !(p.scale > 0.f);
-  amx_configure(), pack_queries(p, tl, plan.G, Dpad, np, parts, QB);
+#if defined(QKV_AMX)
+  amx_configure();
+#endif
+  pack_queries(p, tl, plan.G, Dpad, np, parts, QB);
   for_each_key_tile(plan, tl, split, acc, [&](const Tile& tj) {
     const int keys_pad = round_up(tj.cols, 32);
     int64_t ldk = Dpad;
     const uint16_t* K = parts > 1 ? plan.keys->tile(tl.r, tj.j)
                                   : key_tile(p, tj, Dpad, keys_pad, reinterpret_cast<uint16_t*>(K_.p), &ldk);
+#if defined(QKV_AMX)
     if (parts > 1) amx_matmul_parts(keys_pad, np, Dpad, K, ldk, plan.keys->plane(), QB, int64_t(Dpad) * np, ST.p, np);
-    else amx_matmul(keys_pad, np, Dpad, K, ldk, QB, ST.p, np, false);  // Sᵀ = K·Qᵀ (keys x queries)
+    else
+#endif
+      pairs_matmul(keys_pad, np, Dpad, K, ldk, QB, ST.p, np, false);  // Sᵀ = K·Qᵀ (keys x queries)
     if (scale_first) scale_tile(ST.p, tj.cols, np, p.scale);
     apply_rule(tj, ST.p, 1, np);  // masked scores become -inf, scaled or not
     const uint16_t* values = plan.values->tile(tl.r, tj.j);
@@ -1195,15 +1257,20 @@ void amx_tiles(const ForwardPlan& plan, const Tile& tl, int split, Accumulator& 
     if (parts == 1) {
       const float scale = scale_first ? 1.f : p.scale;
       softmax_to_bf16_pairs<false>(tj.cols, keys_pad, np, p.Dv, ST.p, scale, acc.m, acc.l, acc.O, nullptr, PB, ahead);
-      amx_matmul(plan.dv_rows, np, keys_pad, values, plan.values->cols, PB, acc.O, np, true);  // Oᵀ += Vᵀ·Pᵀ
-    } else {  // the tile's Vᵀ·Pᵀ summed apart, so its small terms round while small
+      pairs_matmul(plan.dv_rows, np, keys_pad, values, plan.values->cols, PB, acc.O, np, true);  // Oᵀ += Vᵀ·Pᵀ
+    }
+#if defined(QKV_AMX)
+    else {  // the tile's Vᵀ·Pᵀ summed apart, so its small terms round while small
       softmax_to_bf16_pairs<true>(tj.cols, keys_pad, np, p.Dv, ST.p, 1.f, acc.m, acc.l, acc.O, alphas.p, PB, ahead);
       amx_matmul_parts(plan.dv_rows, np, keys_pad, values, plan.values->cols, plan.values->plane(), PB,
                        int64_t(keys_pad) * np, T.p, np);
       rescale_add(plan.dv_rows, np, alphas.p, T.p, acc.O);  // Oᵀ = Oᵀ·alpha + Vᵀ·Pᵀ
     }
+#endif
   });
+#if defined(QKV_AMX)
   _tile_release();
+#endif
 }
 #endif
 
@@ -1221,8 +1288,8 @@ void forward_item(void* ctx, int64_t item) {
   acc.l = acc.m + np, acc.O = acc.l + np;
   fill(acc.m, np, NEG_INF), fill(acc.l, np, 0.f), fill(acc.O, int64_t(plan.dv_rows) * np, 0.f);
   if (plan.few_queries) few_queries_tiles(plan, tl, split, acc);
-#if defined(QKV_AMX)
-  else if (plan.amx) amx_tiles(plan, tl, split, acc);
+#if defined(QKV_BF16_PRODUCTS)
+  else if (plan.pairs) pairs_tiles(plan, tl, split, acc);
 #endif
   else float_tiles(plan, tl, split, acc);
   if (plan.splits == 1) store_output(plan, tl, acc.m, acc.l, acc.O);
@@ -1266,12 +1333,16 @@ void forward(const Forward& f) {
   const bool few_queries = decoding_forward(p);  // on the FMA units, either dtype
 #if defined(QKV_AMX)
   const bool float_on_amx = p.dtype == qkv::F32 && f.float32_on_amx && !few_queries;
-  const bool amx = !few_queries && (p.dtype == qkv::BF16 || float_on_amx);
 #else
-  const bool amx = false;
+  const bool float_on_amx = false;
 #endif
-  ForwardPlan plan{f, G, cdiv(p.Lq, p.block_q), cdiv(p.Lk, p.block_k), 1, 0, round_up(n, amx ? 32 : W),
-                   amx ? round_up(p.Dv, 32) : p.Dv, amx};
+#if defined(QKV_BF16_PRODUCTS)
+  const bool pairs = !few_queries && (p.dtype == qkv::BF16 || float_on_amx);
+#else
+  const bool pairs = false;
+#endif
+  ForwardPlan plan{f, G, cdiv(p.Lq, p.block_q), cdiv(p.Lk, p.block_k), 1, 0, round_up(n, pairs ? 32 : W),
+                   pairs ? round_up(p.Dv, 32) : p.Dv, pairs};
   plan.tiles_per_split = plan.nk;
   plan.few_queries = few_queries;
   const int threads = plan.few_queries ? few_queries_threads(p) : threads_for(p, MIN_PARALLEL_MULTIPLY_ADDS);
@@ -1284,15 +1355,15 @@ void forward(const Forward& f) {
     plan.tiles_per_split = cdiv(plan.nk, plan.splits);
     plan.splits = cdiv(plan.nk, plan.tiles_per_split);
   }
-#if defined(QKV_AMX)
+#if defined(QKV_BF16_PRODUCTS)
   const int64_t key_tiles = int64_t(p.B) * p.Hkv * plan.nk;
   const int keys_pad = round_up(p.block_k, 32);
   plan.parts = float_on_amx ? PARTS : 1;
   PackedTiles values{p, p.v, true, plan.dv_rows, keys_pad, plan.nk, plan.parts};
   PackedTiles keys{p, p.k, false, keys_pad, round_up(p.D, 32), plan.nk, plan.parts};
-  const int64_t value_words = amx ? values.elements() : 0, key_words = float_on_amx ? keys.elements() : 0;
+  const int64_t value_words = pairs ? values.elements() : 0, key_words = float_on_amx ? keys.elements() : 0;
   Buffer packed((value_words + key_words + 1) / 2);
-  if (amx) {
+  if (pairs) {
     values.data = reinterpret_cast<uint16_t*>(packed.p), plan.values = &values;
     qkv::parallel_for(key_tiles, threads, pack_tile_item, &values);
   }

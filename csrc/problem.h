@@ -72,7 +72,7 @@ struct Backward {
   DType grads;          // p.dtype, or F32 for bfloat16 inputs whose gradients are summed further
 };
 
-// One entry point per ISA (kernel.h, compiled three times with different flags).
+// One entry point per ISA (kernel.h, compiled once per instruction set with its flags).
 #define QKV_DECLARE_ISA(ns)                 \
   namespace ns {                            \
   void forward(const Forward& f);           \
@@ -80,6 +80,7 @@ struct Backward {
   }
 QKV_DECLARE_ISA(isa_amx)
 QKV_DECLARE_ISA(isa_avx512)
+QKV_DECLARE_ISA(isa_avx512bf16)
 QKV_DECLARE_ISA(isa_avx2)
 QKV_DECLARE_ISA(isa_generic)
 

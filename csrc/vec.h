@@ -5,8 +5,9 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(QKV_AMX)
+#if defined(QKV_AMX) || defined(QKV_AVX512_BF16)
 #define QKV_AVX512 1
+#define QKV_BF16_PRODUCTS 1  // bfloat16 products: AMX tiles or VDPBF16PS
 #endif
 #if defined(QKV_AVX512) || defined(QKV_AVX2)
 #include <immintrin.h>

@@ -78,7 +78,7 @@ def test_float32_products_on_either_unit(shape, mask, unit):
     q, k, v = _inputs(SHAPES[shape])
     with float32_products(unit):
         if unit == "amx" and _native_isa() == "amx":
-            assert native.on_amx(inputs.prepare(q, k, v)) == (shape != "decode")
+            assert native.on_bf16_products(inputs.prepare(q, k, v)) == (shape != "decode")
         check_backend("native", (q, k, v), tuple(to64(x) for x in (q, k, v)), "float32", mask=MASKS[mask])
 
 
@@ -153,15 +153,16 @@ def test_output_without_lse_is_the_same(shape, dtype):
 @pytest.mark.parametrize("shape", ["one_head_per_kv", "square"])
 @pytest.mark.parametrize("mask", [None, "causal"])
 def test_tile_sizes_by_call(shape, mask):
-    """Unmasked bfloat16 takes the larger AMX tiles where AMX runs (about 128 queries over the
-    group's heads, 256 keys); everything else the default tiles. Both agree with the float64
+    """Unmasked bfloat16 takes the larger tiles where its products are bfloat16 ones (AMX or
+    VDPBF16PS: about 128 queries over the group's heads, 256 keys); everything else the
+    default tiles. Both agree with the float64
     oracle."""
     from qkv.backends.native import AMX_BLOCK_K, AMX_QUERIES, BLOCK_K, BLOCK_Q
 
     m = None if mask is None else qkv.causal()
     q, k, v = _inputs(SHAPES[shape], torch.bfloat16)
     inp = inputs.prepare(q, k, v, m)
-    large = mask is None and _native_isa() == "amx"
+    large = mask is None and _native_isa() in ("amx", "avx512bf16")
     want = (AMX_QUERIES // inp.group, AMX_BLOCK_K) if large else (BLOCK_Q, BLOCK_K)
     assert native.block_sizes(inp) == want
     check_backend("native", (q, k, v), tuple(to64(x) for x in (q, k, v)), "bfloat16", mask=m)
@@ -249,6 +250,12 @@ for hq in (6, 2):
         got = qkv.attention(q_, k_, v_, backend="native").double()
         want = qkv.attention(*(x.double() for x in (q_, k_, v_)), backend="reference")
         errors.append((got - want).abs().max().item() / tolerance * 1e-5)
+# bfloat16 on the tiles (its products on AMX or VDPBF16PS where the path has them), unmasked and windowed
+q, k, v = (torch.from_numpy(rng.standard_normal((1, 4, n, 64))).to(torch.bfloat16) for n in (100, 300, 300))
+for mask in (None, qkv.window(20)):
+    got = qkv.attention(q, k, v, mask, backend="native").double()
+    want = qkv.attention(*(x.double() for x in (q, k, v)), mask, backend="reference")
+    errors.append((got - want).abs().max().item() / 1e-2 * 1e-5)
 # a NaN query row gives NaN out and lse on the decoding path and on the tiles, and only there
 torch.manual_seed(0)
 nan_propagates = True
@@ -268,12 +275,13 @@ def _run_script(code, env=None):
     return result.stdout
 
 
-ISA_ORDER = ["generic", "avx2", "avx512", "amx"]
+ISA_ORDER = ["generic", "avx2", "avx512", "avx512bf16", "amx"]
 
 
-@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512", "avx512bf16"])
 def test_every_instruction_set_variant(isa):
-    """A masked forward, decoding steps (both dtypes) and NaN propagation on each instruction set's kernel.
+    """A masked forward, bfloat16 on the tiles, decoding steps (both dtypes) and NaN propagation on
+    each instruction set's kernel.
 
     QKV_ISA never raises the kernel above what the CPU has: on a CPU without AVX-512, asking for it
     runs (and so checks) the best path the CPU has."""
@@ -288,7 +296,7 @@ def test_every_instruction_set_variant(isa):
 @pytest.mark.parametrize("asked, runs, warning", [
     (" Generic", "generic", None),  # any case, spaces ignored
     ("gen eric", "generic", None),  # inside the name too, as the kernel reads it (Python used to warn)
-    ("garbage", None, "QKV_ISA='garbage' is not one of generic, avx2, avx512; the native kernel runs"),
+    ("garbage", None, "QKV_ISA='garbage' is not one of generic, avx2, avx512, avx512bf16; the native kernel runs"),
 ])
 def test_an_isa_request_is_read_loosely_and_a_bad_one_is_named(asked, runs, warning):
     code = "import warnings; warnings.simplefilter('always'); import qkv; from qkv import _native; print(_native.isa())"
@@ -492,7 +500,7 @@ def test_decoding_path(rng, mask, lq, hq, hkv, dtype, d, dv):
         arrays = [x.astype(np.float32) for x in (q64, k64, v64)]
     else:
         arrays = [torch.from_numpy(x).to(torch.bfloat16) for x in (q64, k64, v64)]
-    assert not native.on_amx(inputs.prepare(*arrays, **kwargs))  # the FMA units' decoding path
+    assert not native.on_bf16_products(inputs.prepare(*arrays, **kwargs))  # the FMA units' decoding path
     got = qkv.attention(*arrays, backend="native", **kwargs)
     want = qkv.attention(*(to64(x) for x in arrays), backend="reference", **kwargs)  # of the rounded inputs
     assert_within_rule(got, want, qkv.attention(*arrays, backend="reference", **kwargs), dtype)
@@ -504,7 +512,7 @@ def test_nan_propagates_on_the_decoding_path(dtype):
     path (a NaN tile maximum failed a comparison there, and the tile was left out as masked)."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 1, n, 64, generator=g).to(dtype) for n in (1, 3000, 3000))
-    assert not native.on_amx(inputs.prepare(q, k, v))  # the decoding path, on the vector units
+    assert not native.on_bf16_products(inputs.prepare(q, k, v))  # the decoding path, on the vector units
     with_nan = q.clone()
     with_nan[0, 0, 0, 3] = float("nan")
     out, lse = qkv.attention(with_nan, k, v, backend="native", return_lse=True)

@@ -34,13 +34,15 @@ def _extension_file_exists() -> bool:
 try:
     from .. import _native
 except ImportError as error:  # not built (no compiler) or not importable here
-    _native, _ON_AMX = None, False
+    _native, _ON_AMX, _BF16_PRODUCTS = None, False, False
     _import_error = (f"built but cannot be loaded here ({error})" if _extension_file_exists() else
                      "not built: no C++17 compiler or no Python headers were found when qkv was installed, or "
                      "QKV_NATIVE=OFF (install it again with them; `pip install -v` shows the build)")
 else:
     _import_error = None
     _ON_AMX = _native.isa() == "amx"  # chosen once, when the kernel loads
+    # bfloat16 products on the tile unit or by AVX-512's bfloat16 dot products (VDPBF16PS)
+    _BF16_PRODUCTS = _native.isa() in ("amx", "avx512bf16")
 
 
 def _warn_unmet_isa_request(asked, chosen: str) -> None:
@@ -48,7 +50,7 @@ def _warn_unmet_isa_request(asked, chosen: str) -> None:
     wanted = "".join(asked.split()).lower() if asked is not None else None  # as the kernel reads it
     if asked is None or wanted == chosen or not chosen:
         return
-    known = ("generic", "avx2", "avx512")
+    known = ("generic", "avx2", "avx512", "avx512bf16")
     why = "more than this CPU has or this build holds" if wanted in known \
         else f"not one of {', '.join(known)}"
     warnings.warn(f"QKV_ISA={asked!r} is {why}; the native kernel runs {chosen}", RuntimeWarning, stacklevel=2)
@@ -161,14 +163,16 @@ class NativeBackend(Backend):
                                "kernel's output but not the kernel; torch's operators it can trace")
         return reasons
 
-    def on_amx(self, inp):
-        """Whether this call's forward products run on AMX tiles: bfloat16 always where AMX
-        runs, float32 when float32_on_amx is on, except on the decoding path."""
-        return _ON_AMX and (inp.dtype == "bfloat16" or self.float32_on_amx) and not _few_queries(inp)
+    def on_bf16_products(self, inp):
+        """Whether this call's forward products are bfloat16 ones (on AMX tiles, or by
+        AVX-512's bfloat16 dot products): bfloat16 inputs where either runs, float32 when AMX
+        runs and float32_on_amx is on; never on the decoding path."""
+        wanted = inp.dtype == "bfloat16" or (_ON_AMX and self.float32_on_amx)
+        return _BF16_PRODUCTS and wanted and not _few_queries(inp)
 
     def block_sizes(self, inp):
         """The forward's (block_q, block_k); the backward always runs on BLOCK_Q x BLOCK_K."""
-        if inp.mask is None and self.on_amx(inp):
+        if inp.mask is None and self.on_bf16_products(inp):
             return max(16, AMX_QUERIES // inp.group), AMX_BLOCK_K
         return BLOCK_Q, BLOCK_K
 
@@ -256,8 +260,8 @@ class NativeBackend(Backend):
         return partial * inp.group * blocks[0] * blocks[1]
 
     def _packed_bytes(self, inp):
-        """The AMX path's bfloat16 copies of V and, for float32, of K, each in 3 parts."""
-        if not self.on_amx(inp):
+        """The bfloat16 products' copies of V and, for float32 on AMX, of K, each in 3 parts."""
+        if not self.on_bf16_products(inp):
             return 0
         up = lambda n: -(-n // 32) * 32  # noqa: E731 (the kernel pads to 32)
         values, keys = (up(inp.Dv), 0) if inp.dtype == "bfloat16" else (3 * up(inp.Dv), 3 * up(inp.D))
