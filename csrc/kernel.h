@@ -659,46 +659,62 @@ inline void pairs_matmul(int rows, int np, int depth, const uint16_t* A, int64_t
 // one 32-bit broadcast of a row's pair of A meet in VDPBF16PS, which adds both products of a
 // pair into each float32 lane (as the tile unit does: bfloat16 products exact in float32,
 // denormal inputs read as 0, sums rounded to nearest).
-template <int MR, int NV>
-inline void pairs_micro(int depth, const uint16_t* A, int64_t lda, const uint16_t* B, int np, float* C, int64_t ldc,
-                        bool add) {
-  __m512 c[MR][NV];
+// ADD: C's sums go on (the output across key tiles). Otherwise C = A·B in chains of CHAIN
+// depth, each summed from zero and then added to the chains before it, as gemm_chains does:
+// with one chain over a head dim of 256 the float32 lse broke the tolerance rule (2.5e-6
+// against 2.3e-6, bfloat16 inputs, tests: test_randomized_differential).
+template <int MR, int NV, bool ADD>
+inline void pairs_micro(int depth, const uint16_t* A, int64_t lda, const uint16_t* B, int np, float* C, int64_t ldc) {
+  for (int k0 = 0; k0 < depth; k0 += ADD ? depth : CHAIN) {
+    const int k_end = ADD ? depth : imin(depth, k0 + CHAIN);
+    __m512 c[MR][NV];
 #pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r)
+    for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) c[r][v] = add ? _mm512_loadu_ps(C + r * ldc + v * W) : _mm512_setzero_ps();
-  for (int k = 0; k < depth; k += 2) {
-    const uint16_t* b_row = B + int64_t(k / 2) * np * 2;
-    __m512bh b[NV];
+      for (int v = 0; v < NV; ++v) c[r][v] = ADD ? _mm512_loadu_ps(C + r * ldc + v * W) : _mm512_setzero_ps();
+    for (int k = k0; k < k_end; k += 2) {
+      const uint16_t* b_row = B + int64_t(k / 2) * np * 2;
+      __m512bh b[NV];
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) b[v] = (__m512bh)_mm512_loadu_si512(b_row + v * 2 * W);
+      for (int v = 0; v < NV; ++v) b[v] = (__m512bh)_mm512_loadu_si512(b_row + v * 2 * W);
 #pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) {
-      int32_t pair;
-      memcpy(&pair, A + r * lda + k, 4);
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      for (int r = 0; r < MR; ++r) {
+        int32_t pair;
+        memcpy(&pair, A + r * lda + k, 4);
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
 #pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) c[r][v] = _mm512_dpbf16_ps(c[r][v], a, b[v]);
+        for (int v = 0; v < NV; ++v) c[r][v] = _mm512_dpbf16_ps(c[r][v], a, b[v]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) {
+        float* at = C + r * ldc + v * W;
+        _mm512_storeu_ps(at, ADD || k0 == 0 ? c[r][v] : _mm512_add_ps(_mm512_loadu_ps(at), c[r][v]));
+      }
+  }
+}
+
+template <bool ADD>
+inline void pairs_pass(int rows, int np, int depth, const uint16_t* A, int64_t lda, const uint16_t* B, float* C,
+                       int64_t ldc) {
+  constexpr int MR = 4, NV = 4;
+  for (int q = 0; q < np; q += NV * W) {
+    const bool whole = np - q >= NV * W;  // else 2 vectors: np is a multiple of 32
+    for (int i = 0; i < rows; i += MR) {
+      if (whole) pairs_micro<MR, NV, ADD>(depth, A + i * lda, lda, B + q * 2, np, C + i * ldc + q, ldc);
+      else pairs_micro<MR, 2, ADD>(depth, A + i * lda, lda, B + q * 2, np, C + i * ldc + q, ldc);
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(C + r * ldc + v * W, c[r][v]);
 }
 
 // C (rows x np, float32, ldc) (+)= A (rows x depth bf16, lda) · B (depth/2 pairs x np, VNNI, np*2 per pair).
 // rows, np and depth are multiples of 32, as for the tile unit.
-constexpr int PAIRS_MR = 4, PAIRS_NV = 4;
 inline void pairs_matmul(int rows, int np, int depth, const uint16_t* A, int64_t lda, const uint16_t* B, float* C,
                          int64_t ldc, bool add) {
-  for (int q = 0; q < np; q += PAIRS_NV * W) {
-    const bool whole = np - q >= PAIRS_NV * W;  // else 2 vectors: np is a multiple of 32
-    for (int i = 0; i < rows; i += PAIRS_MR) {
-      if (whole) pairs_micro<PAIRS_MR, PAIRS_NV>(depth, A + i * lda, lda, B + q * 2, np, C + i * ldc + q, ldc, add);
-      else pairs_micro<PAIRS_MR, 2>(depth, A + i * lda, lda, B + q * 2, np, C + i * ldc + q, ldc, add);
-    }
-  }
+  if (add) pairs_pass<true>(rows, np, depth, A, lda, B, C, ldc);
+  else pairs_pass<false>(rows, np, depth, A, lda, B, C, ldc);
 }
 #endif
 

@@ -59,12 +59,14 @@ def _warn_unmet_isa_request(asked, chosen: str) -> None:
 _warn_unmet_isa_request(os.environ.get("QKV_ISA"), _native.isa() if _native else "")
 
 BLOCK_Q, BLOCK_K = 64, 128
-# Unmasked bfloat16 forwards on AMX tiles: key tiles of 256 halve the loads and stores of the
-# output accumulator per score, and a query tile stacks about 128 queries over the group's
-# heads (B=1, H=8, L=4096, D=64, against 64 x 128: 3-12% faster with one query head per KV
-# head, 8-9% with 2, 5-9% with 4, 13-14% with 8). Masked calls keep 64 x 128, which wastes
-# less on the diagonal (causal was 6% slower with 128 x 256).
-AMX_QUERIES, AMX_BLOCK_K = 128, 256
+# Unmasked forwards on bfloat16 products (on_bf16_products). On AMX tiles, key tiles of 256
+# halve the loads and stores of the output accumulator per score, and a query tile stacks
+# about 128 queries over the group's heads (B=1, H=8, L=4096, D=64, against 64 x 128: 3-12%
+# faster with one query head per KV head, 8-9% with 2, 5-9% with 4, 13-14% with 8). Masked
+# calls keep 64 x 128, which wastes less on the diagonal (causal was 6% slower with 128 x
+# 256). With VDPBF16PS (AMD EPYC, Zen 4) the size matters less: 358-363 GFLOP/s with 128 x
+# 256, 359-363 with 64 x 256, 353-358 with 128 x 128, 327-350 with 256 x 256.
+BF16_PRODUCT_QUERIES, BF16_PRODUCT_BLOCK_K = 128, 256
 # Stacked queries per KV head up to which the kernel takes its decoding path (K and V rows
 # read in place, on the FMA units) where the head dims allow it; csrc/kernel.h, few_queries_path.
 FEW_QUERIES = {"float32": 8, "bfloat16": 32}
@@ -173,7 +175,7 @@ class NativeBackend(Backend):
     def block_sizes(self, inp):
         """The forward's (block_q, block_k); the backward always runs on BLOCK_Q x BLOCK_K."""
         if inp.mask is None and self.on_bf16_products(inp):
-            return max(16, AMX_QUERIES // inp.group), AMX_BLOCK_K
+            return max(16, BF16_PRODUCT_QUERIES // inp.group), BF16_PRODUCT_BLOCK_K
         return BLOCK_Q, BLOCK_K
 
     def forward(self, inp):
