@@ -887,7 +887,7 @@ inline __m512i bf16_pairs(Vec even, Vec odd) {
 template <bool SPLIT>
 inline void softmax_to_bf16_pairs(int cols, int keys_pad, int np, int Dv, const float* ST, float scale, float* m,
                                   float* l, float* OT, float* alphas, uint16_t* PB, Ahead ahead) {
-  const Vec scaled = Vec::set1(scale), scaled_log2 = Vec::set1(scale * LOG2E);
+  const Vec scaled = Vec::set1(scale), log2e = Vec::set1(LOG2E);
   const int64_t plane = int64_t(keys_pad) * np;
   const __m512i high_words = _mm512_set1_epi32(int(0xffff0000u));
   for (int q = 0; q < np; q += W) {
@@ -895,13 +895,16 @@ inline void softmax_to_bf16_pairs(int cols, int keys_pad, int np, int Dv, const 
     Vec m_old = Vec::load(m + q), m_new = Vec::max(m_old, mx * scaled);
     Vec shift = Vec::finite_or_zero(m_new);  // columns with nothing allowed yet shift by 0
     Vec alpha = Vec::exp(m_old - shift), sum = Vec::zero();
-    const Vec neg_shift_log2 = Vec::zero() - shift * Vec::set1(LOG2E);
+    const Vec neg_shift = Vec::zero() - shift;
     auto p_of = [&](int c) {
       if (c >= cols) return Vec::zero();
       Vec s = Vec::load(ST + int64_t(c) * np + q);
       if (SPLIT) return Vec::exp(s - shift);
-      // exp(scale * s - shift) = 2^(s * scale * log2(e) - shift * log2(e)): one fma per score
-      return Vec::exp2_degree5(Vec::fma(s, scaled_log2, neg_shift_log2));
+      // exp(scale * s - shift) = 2^((scale * s - shift) * log2(e)): the difference from one fma,
+      // which rounds only the difference, then to log2 units. Folding log2(e) into the fma's
+      // terms, as this did, rounds shift * log2(e) on its own, which put lse 1.5 ulp off
+      // (scores near -120 under alibi; tests: test_large_bfloat16_scores_keep_the_lse).
+      return Vec::exp2_degree5(Vec::fma(s, scaled, neg_shift) * log2e);
     };
     for (int c = 0; c < keys_pad; c += 2) {  // keys c and c + 1
       Vec even = p_of(c), odd = p_of(c + 1);

@@ -611,6 +611,19 @@ def test_bfloat16_products_sum_in_chains(lq, lk, d, seed, scale):
     check_backend("native", (q, k, v), tuple(to64(x) for x in (q, k, v)), "bfloat16", scale=scale)
 
 
+@pytest.mark.parametrize("seed", [13, 29])
+def test_large_bfloat16_scores_keep_the_lse(seed):
+    """ALiBi takes these scores to about -120, where a float32 ulp is 7.6e-6. The bfloat16
+    products' softmax took exp(s - m) as 2^(s·log2(e) - m·log2(e)), rounding m·log2(e) on its
+    own, which put the lse past the rule (in a drawn case 1.2e-5 off where it allows 8.4e-6);
+    the difference is now taken first, as the float32 path takes it."""
+    rng = np.random.default_rng(seed)
+    shapes = (1, 2, 2, 16), (1, 2, 137, 16), (1, 2, 137, 1)
+    q, k, v = (torch.tensor(rng.standard_normal(s)).to(torch.bfloat16) for s in shapes)
+    check_backend("native", (q, k, v), tuple(to64(x) for x in (q, k, v)), "bfloat16",
+                  mask=qkv.causal(align="top_left"), score_mod=qkv.alibi(rng.random(2)))
+
+
 @pytest.mark.parametrize("scale", [0.0, -0.3])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_scale_of_zero_or_below_with_a_mask(scale, dtype):
