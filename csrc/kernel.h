@@ -951,8 +951,9 @@ inline void scale_tile(float* ST, int cols, int np, float scale) {
 // the head dim instead: S = scale·Q·Kᵀ (n x keys) by dot products, O (n x Dv) += P·V with up to
 // four rows and four vectors of O held in registers, all in float32 (bfloat16 rows are widened
 // as they are loaded; P is not rounded). The result is written out as Oᵀ for the common code.
-// Up to how many stacked queries (per KV head) take this path. bfloat16 goes further: on AMX
-// it would first pack all of Vᵀ, which few queries do not pay back (32/8 heads of 128 over
+// Up to how many stacked queries (per KV head) take this path. bfloat16 goes further: its
+// bfloat16 products (AMX or VDPBF16PS) would first pack all of Vᵀ, which few queries do not
+// pay back (measured on AMX, with the tile unit's products: 32/8 heads of 128 over
 // 1024 and 8192 keys: at 16 queries here 583-602 and 4907-5002 µs against 1571-1670 and
 // 15185-16571, at 32 1102-1127 and 9138-9175 against 1627-1835 and 13683-15300, at 64
 // 2242-2246 and 17420-17704 against 1757-1911 and 15029-16411).

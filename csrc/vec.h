@@ -1,5 +1,6 @@
 // Vector types for the kernel, one per instruction set. Each ISA translation unit defines
-// exactly one of QKV_AVX512 / QKV_AVX2 / (neither: portable) before including kernel.h.
+// exactly one of QKV_AMX / QKV_AVX512_BF16 / QKV_AVX512 / QKV_AVX2 / (none: portable) before
+// including kernel.h; the first two also get QKV_AVX512's vectors.
 #pragma once
 #include <math.h>
 #include <cstdint>
@@ -16,14 +17,17 @@
 namespace QKV_ISA_NS {
 
 constexpr float LOG2E = 1.4426950408889634f;
-// 2^f ~ 1 + c1 f + c2 f^2 + ... on 0 <= f < 1, constant term first: near-minimax fits of 2^g
-// on |g| <= 1/2 in relative error, moved to f = g + 1/2 (times sqrt 2), which keeps their
-// error. Degree 6: relative error 7e-8. Degree 5: 1.8e-7, for the bfloat16 path, whose
-// probabilities are rounded to bfloat16 but whose float32 sums give the float32 lse.
+// 2^f ~ 1 + c1 f + c2 f^2 + ... on 0 <= f < 1, constant term first. Degree 6: a near-minimax
+// fit of 2^g on |g| <= 1/2 in relative error, moved to f = g + 1/2 (times sqrt 2), which keeps
+// its error, 7e-8. Degree 5, for bfloat16 products, whose probabilities are rounded to
+// bfloat16 but whose float32 sums give the float32 lse: a near-minimax fit on [0, 1) with its
+// constant term held at 1, so that the largest weight, 2^0, is exactly 1 (the earlier fit's
+// 0.99999988 moved every lse by -1.2e-7); relative error 1.4e-7 evaluated in float32, where
+// the earlier fit's was 1.8e-7.
 constexpr float EXP2_DEGREE6[] = {1.f, 0.6931469440460205f, 0.24022994935512543f, 0.0554828979074955f,
                                   0.009679540991783142f, 0.001243499107658863f, 0.000217129330849275f};
-constexpr float EXP2_DEGREE5[] = {0.9999998807907104f, 0.6931539177894592f, 0.24014845490455627f,
-                                  0.0558338463306427f, 0.008987795561552048f, 0.0018759156810119748f};
+constexpr float EXP2_DEGREE5[] = {1.f, 0.6931512951850891f, 0.24016445875167847f, 0.05579987168312073f,
+                                  0.009017088450491428f, 0.0018671028083190322f};
 
 // The polynomial c[0] + c[1] f + ... + c[N-1] f^(N-1) by Horner's rule, for any vector type below.
 template <class V, int N>

@@ -150,6 +150,18 @@ def test_output_without_lse_is_the_same(shape, dtype):
     check_backend("native", (q, k, v), tuple(to64(x) for x in (q, k, v)), inputs.dtype_name(q), mask=qkv.causal())
 
 
+def test_packed_values_are_counted_whole_tiles():
+    """Where bfloat16 products run, the kernel packs Vᵀ of every key tile, the last one padded
+    to a whole tile: 257 keys in tiles of 256 take two, 2 x 256 keys x 8 heads x 128 dims x 2
+    bytes. explain counted 257 keys, rounded up to 288."""
+    q, k = torch.zeros(1, 8, 4096, 128, dtype=torch.bfloat16), torch.zeros(1, 8, 257, 128, dtype=torch.bfloat16)
+    inp = inputs.prepare(q, k, k)
+    if not native.on_bf16_products(inp):
+        pytest.skip("no bfloat16 products here (AMX or AVX-512 BF16): nothing is packed")
+    assert native.block_sizes(inp)[1] == 256
+    assert native._packed_bytes(inp) == 2 * 256 * 8 * 128 * 2
+
+
 @pytest.mark.parametrize("shape", ["one_head_per_kv", "square"])
 @pytest.mark.parametrize("mask", [None, "causal"])
 def test_tile_sizes_by_call(shape, mask):
@@ -235,7 +247,7 @@ def test_a_bias_whose_strides_are_not_whole_elements_goes_elsewhere(rng):
 
 
 SCRIPT = """
-import numpy as np, torch, qkv
+import itertools, numpy as np, torch, qkv
 from qkv.backends import native
 rng = np.random.default_rng(0)
 q, k, v = (rng.standard_normal((1, 2, n, 48)).astype(np.float32) for n in (37, 300, 300))
@@ -250,17 +262,20 @@ for hq in (6, 2):
         got = qkv.attention(q_, k_, v_, backend="native").double()
         want = qkv.attention(*(x.double() for x in (q_, k_, v_)), backend="reference")
         errors.append((got - want).abs().max().item() / tolerance * 1e-5)
-# bfloat16 on the tiles (its products on AMX or VDPBF16PS where the path has them), unmasked and windowed
+# bfloat16 on the tiles (its products on AMX or VDPBF16PS where the path has them), unmasked
+# and windowed: the output, and the float32 lse
 q, k, v = (torch.from_numpy(rng.standard_normal((1, 4, n, 64))).to(torch.bfloat16) for n in (100, 300, 300))
 for mask in (None, qkv.window(20)):
-    got = qkv.attention(q, k, v, mask, backend="native").double()
-    want = qkv.attention(*(x.double() for x in (q, k, v)), mask, backend="reference")
-    errors.append((got - want).abs().max().item() / 1e-2 * 1e-5)
+    got, lse = qkv.attention(q, k, v, mask, backend="native", return_lse=True)
+    want, want_lse = qkv.attention(*(x.double() for x in (q, k, v)), mask, backend="reference", return_lse=True)
+    errors.append((got.double() - want).abs().max().item() / 1e-2 * 1e-5)
+    errors.append((lse.double() - want_lse).abs().max().item())
 # a NaN query row gives NaN out and lse on the decoding path and on the tiles, and only there
 torch.manual_seed(0)
 nan_propagates = True
-for lq, lk, mask in ((1, 300, None), (40, 300, None), (3, 3, qkv.causal())):  # causal: row 0 sees one key
-    q, k, v = (torch.randn(1, 2, n, 48) for n in (lq, lk, lk))
+cases = ((1, 300, None), (40, 300, None), (3, 3, qkv.causal()))  # causal: row 0 sees one key
+for (lq, lk, mask), dtype in itertools.product(cases, (torch.float32, torch.bfloat16)):
+    q, k, v = (torch.randn(1, 2, n, 48).to(dtype) for n in (lq, lk, lk))
     q[0, 1, 0, 0] = float("nan")
     out, lse = qkv.attention(q, k, v, mask, backend="native", return_lse=True)
     nan_propagates &= bool(out[0, 1, 0].isnan().all() and lse[0, 1, 0].isnan() and not out[0, 0].isnan().any())
@@ -609,6 +624,18 @@ def test_bfloat16_products_sum_in_chains(lq, lk, d, seed, scale):
     shapes = (1, 1, lq, d), (1, 1, lk, d), (1, 1, lk, 1)
     q, k, v = (torch.tensor(rng.standard_normal(s) * (1 if scale else 3)).to(torch.bfloat16) for s in shapes)
     check_backend("native", (q, k, v), tuple(to64(x) for x in (q, k, v)), "bfloat16", scale=scale)
+
+
+@pytest.mark.parametrize("scale", [0.125, -0.125])
+def test_one_allowed_key_gives_its_score_as_lse_without_bias(scale):
+    """With one key, lse is that key's score. The degree-5 exp of the bfloat16 products' path
+    took 2^0 as 0.99999988, which moved every lse by -1.2e-7; averaged over 512 rows of
+    scores near 1 the rounding cancels out, and that bias would not."""
+    rng = np.random.default_rng(0)
+    q, k = (torch.tensor(rng.standard_normal(s) / 4).to(torch.bfloat16) for s in ((1, 1, 512, 64), (1, 1, 1, 64)))
+    _, lse = qkv.attention(q, k, k, backend="native", return_lse=True, scale=scale)
+    scores = (to64(q) @ to64(k).swapaxes(-1, -2))[..., 0] * scale
+    assert abs(np.mean(to64(lse) - scores)) < 3e-8
 
 
 @pytest.mark.parametrize("seed", [13, 29])

@@ -262,17 +262,20 @@ class NativeBackend(Backend):
         return partial * inp.group * blocks[0] * blocks[1]
 
     def _packed_bytes(self, inp):
-        """The bfloat16 products' copies of V and, for float32 on AMX, of K, each in 3 parts."""
+        """The bfloat16 products' copies of V and, for float32 on AMX, of K, each in 3 parts: a
+        whole key tile (block_k rounded up to 32 keys) for every key tile, the last one too."""
         if not self.on_bf16_products(inp):
             return 0
         up = lambda n: -(-n // 32) * 32  # noqa: E731 (the kernel pads to 32)
+        block_k = self.block_sizes(inp)[1]
+        padded_keys = cdiv(inp.Lk, block_k) * up(block_k)
         values, keys = (up(inp.Dv), 0) if inp.dtype == "bfloat16" else (3 * up(inp.Dv), 3 * up(inp.D))
-        return 2 * inp.B * inp.Hkv * up(inp.Lk) * (values + keys)
+        return 2 * inp.B * inp.Hkv * padded_keys * (values + keys)
 
 
 def _few_queries(inp) -> bool:
     """Whether the kernel takes its decoding path (as csrc/kernel.h, few_queries_path, with
-    AMX's 16-float vectors): few stacked queries, K and V rows contiguous, D and Dv
+    AVX-512's 16-float vectors): few stacked queries, K and V rows contiguous, D and Dv
     multiples of 16."""
     if inp.group * min(inp.Lq, BLOCK_Q) > FEW_QUERIES[inp.dtype] or inp.D % 16 or inp.Dv % 16:
         return False
