@@ -662,7 +662,7 @@ inline void pairs_matmul(int rows, int np, int depth, const uint16_t* A, int64_t
 // ADD: C's sums go on (the output across key tiles). Otherwise C = A·B in chains of CHAIN
 // depth, each summed from zero and then added to the chains before it, as gemm_chains does:
 // with one chain over a head dim of 256 the float32 lse broke the tolerance rule (2.5e-6
-// against 2.3e-6, bfloat16 inputs, tests: test_randomized_differential).
+// against 2.3e-6, bfloat16 inputs; tests: test_bfloat16_products_sum_in_chains).
 template <int MR, int NV, bool ADD>
 inline void pairs_micro(int depth, const uint16_t* A, int64_t lda, const uint16_t* B, int np, float* C, int64_t ldc) {
   for (int k0 = 0; k0 < depth; k0 += ADD ? depth : CHAIN) {
@@ -956,7 +956,9 @@ inline void scale_tile(float* ST, int cols, int np, float scale) {
 // pay back (measured on AMX, with the tile unit's products: 32/8 heads of 128 over
 // 1024 and 8192 keys: at 16 queries here 583-602 and 4907-5002 µs against 1571-1670 and
 // 15185-16571, at 32 1102-1127 and 9138-9175 against 1627-1835 and 13683-15300, at 64
-// 2242-2246 and 17420-17704 against 1757-1911 and 15029-16411).
+// 2242-2246 and 17420-17704 against 1757-1911 and 15029-16411). On Zen 4 with VDPBF16PS the
+// crossover is about as far: 32 queries here took 1118 and 7884 µs, 36 and 64 queries on the
+// bfloat16 products 1369-1393 and 11977-12037 (medians of 7 rounds).
 constexpr int FEW_QUERIES = 8, FEW_QUERIES_BF16 = 32;
 // Elements of a row of T in one 64-byte cache line: prefetches go a line at a time.
 template <class T>
