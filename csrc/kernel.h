@@ -469,13 +469,20 @@ struct Ahead {
   void next() { keys.next_line(), values.next_line(); }
 };
 
-// Ahead of key tile tj: K of the next key tile in the item's split unless it is EMPTY (as past
-// a causal diagonal), no values. Packed float32 keys come in over `calls` calls.
+// Whether the item's split goes on past key tile tj to a tile that is not EMPTY (as past a
+// causal diagonal).
+inline bool next_tile_runs(const ForwardPlan& plan, const Tile& tj, int split) {
+  const int j = tj.j + 1;
+  return j < plan.split_end(split) && tile_class(plan.f.p, tj.r, tj.t, j) != qkv::EMPTY;
+}
+
+// Ahead of key tile tj: K of the next key tile in the item's split unless it is EMPTY, no
+// values. Packed float32 keys come in over `calls` calls.
 inline Ahead next_keys(const ForwardPlan& plan, const Tile& tj, int split, int calls = 1) {
   const Problem& p = plan.f.p;
   Ahead ahead;
   const int j = tj.j + 1;
-  if (j >= plan.split_end(split) || tile_class(p, tj.r, tj.t, j) == qkv::EMPTY) return ahead;
+  if (!next_tile_runs(plan, tj, split)) return ahead;
 #if defined(QKV_BF16_PRODUCTS)
   if (plan.keys) return {whole(plan.keys->tile(tj.r, j), plan.keys->bytes(), calls), {}};
 #endif
@@ -1059,17 +1066,35 @@ constexpr int keys_at_once() {
 // read, and the value rows again in the values pass, cost more than they saved (the same
 // decoding by these functions alone, in a C++ loop, two threads: 21.3-22.8 GB/s with them,
 // 24.1-27.9 without).
+// With `next` too (AVX-512 builds), key u's K and V rows of the item's next key tile are
+// requested into L2 as key u of this one is scored, so the memory keeps streaming while the
+// cores compute: on Zen 4 without it a key's compute and its memory time added up rather than
+// overlapped. Decoding 32768 float32 keys, 32/8 heads of 128, two threads: with the request
+// switched by a flag, paired medians of 10 rounds in one process, 1.25-1.36x as fast (75-78%
+// of a sum over K and V against 54-64%; into L1 instead, 0.99x); the builds with and without
+// it in alternating processes, 1.04-1.19x (21.0-22.7 GB/s against 18.4-20.2, 66-75% of the
+// sum), bfloat16 0.95-1.15x. Not measured on AVX2, where requesting the next tile during the
+// values pass was slower (README, "Speed").
+struct NextKeys {
+  int k0 = 0, count = 0;  // keys k0 .. k0 + count; none when count is 0
+};
+constexpr bool REQUEST_NEXT_TILE = Vec::REGISTERS >= 32;
+
 template <int N, class T>
-inline void scores_by_rows(const Problem& p, const Tile& tj, const float* Q, float* S, int ld, bool ahead) {
+inline void scores_by_rows(const Problem& p, const Tile& tj, const float* Q, float* S, int ld, bool ahead,
+                           NextKeys next) {
   constexpr int KEYS = keys_at_once<N>();
   const T* K = static_cast<const T*>(p.k.data) + tj.b * p.k.s0 + int64_t(tj.kv) * p.k.s1;
   const T* V = static_cast<const T*>(p.v.data) + tj.b * p.v.s0 + int64_t(tj.kv) * p.v.s1;
   const int fetched = ahead ? tj.cols : 0;
   int c = 0;
   for (; c + KEYS <= tj.cols; c += KEYS) {
-    for (int u = c; u < c + KEYS && u < fetched; ++u) {
-      for (int d = 0; d < p.D; d += PER_LINE<T>) __builtin_prefetch(K + int64_t(tj.k0 + u) * p.k.s2 + d);
-      for (int d = 0; d < p.Dv; d += PER_LINE<T>) __builtin_prefetch(V + int64_t(tj.k0 + u) * p.v.s2 + d);
+    for (int u = c; u < c + KEYS && u < fetched; ++u) {  // K and V rows, whole
+      for (int d = 0; d < p.D; d += PER_LINE<T>) __builtin_prefetch(K + int64_t(tj.k0 + u) * p.k.s2 + d, 0, 3);
+      for (int d = 0; d < p.Dv; d += PER_LINE<T>) __builtin_prefetch(V + int64_t(tj.k0 + u) * p.v.s2 + d, 0, 3);
+      if (!REQUEST_NEXT_TILE || u >= next.count) continue;
+      for (int d = 0; d < p.D; d += PER_LINE<T>) __builtin_prefetch(K + int64_t(next.k0 + u) * p.k.s2 + d, 0, 2);
+      for (int d = 0; d < p.Dv; d += PER_LINE<T>) __builtin_prefetch(V + int64_t(next.k0 + u) * p.v.s2 + d, 0, 2);
     }
     scores_of_keys<N, KEYS, T>(p, tj, c, Q, S, ld);
   }
@@ -1078,19 +1103,21 @@ inline void scores_by_rows(const Problem& p, const Tile& tj, const float* Q, flo
 
 // All n rows, eight at a time (the tile's K rows stay in L1 for the next eight).
 template <class T>
-inline void scores_by_rows(const Problem& p, const Tile& tj, int n, const float* Q, float* S, int ld) {
-  for (int r0 = 0; r0 < n; r0 += 8) {
+inline void scores_by_rows(const Problem& p, const Tile& tj, int n, const float* Q, float* S, int ld,
+                           NextKeys next = {}) {
+  for (int r0 = 0; r0 < n; r0 += 8, next = {}) {  // the first eight rows request what comes
     const float* q = Q + int64_t(r0) * p.D;
     float* s = S + int64_t(r0) * ld;
+    const bool ahead = r0 == 0;
     switch (imin(8, n - r0)) {
-      case 1: scores_by_rows<1, T>(p, tj, q, s, ld, r0 == 0); break;
-      case 2: scores_by_rows<2, T>(p, tj, q, s, ld, r0 == 0); break;
-      case 3: scores_by_rows<3, T>(p, tj, q, s, ld, r0 == 0); break;
-      case 4: scores_by_rows<4, T>(p, tj, q, s, ld, r0 == 0); break;
-      case 5: scores_by_rows<5, T>(p, tj, q, s, ld, r0 == 0); break;
-      case 6: scores_by_rows<6, T>(p, tj, q, s, ld, r0 == 0); break;
-      case 7: scores_by_rows<7, T>(p, tj, q, s, ld, r0 == 0); break;
-      default: scores_by_rows<8, T>(p, tj, q, s, ld, r0 == 0); break;
+      case 1: scores_by_rows<1, T>(p, tj, q, s, ld, ahead, next); break;
+      case 2: scores_by_rows<2, T>(p, tj, q, s, ld, ahead, next); break;
+      case 3: scores_by_rows<3, T>(p, tj, q, s, ld, ahead, next); break;
+      case 4: scores_by_rows<4, T>(p, tj, q, s, ld, ahead, next); break;
+      case 5: scores_by_rows<5, T>(p, tj, q, s, ld, ahead, next); break;
+      case 6: scores_by_rows<6, T>(p, tj, q, s, ld, ahead, next); break;
+      case 7: scores_by_rows<7, T>(p, tj, q, s, ld, ahead, next); break;
+      default: scores_by_rows<8, T>(p, tj, q, s, ld, ahead, next); break;
     }
   }
 }
@@ -1190,6 +1217,14 @@ inline void for_each_key_tile(const ForwardPlan& plan, const Tile& tl, int split
   }
 }
 
+// The keys of the item's next key tile, for scores_by_rows to request (none past the split's end
+// or where that tile is EMPTY).
+inline NextKeys next_tile_keys(const ForwardPlan& plan, const Tile& tj, int split) {
+  if (!REQUEST_NEXT_TILE || !next_tile_runs(plan, tj, split)) return {};
+  const int k0 = tj.k0 + plan.f.p.block_k;
+  return {k0, imin(plan.f.p.block_k, plan.f.p.Lk - k0)};
+}
+
 template <class T>
 void few_queries_tiles_of(const ForwardPlan& plan, const Tile& tl, int split, Accumulator& acc) {
   const Problem& p = plan.f.p;
@@ -1201,7 +1236,7 @@ void few_queries_tiles_of(const ForwardPlan& plan, const Tile& tl, int split, Ac
   constexpr bool paired = sizeof(T) == 2;  // bfloat16 rows: Q and O in pair order
   for (int rr = 0; paired && rr < n; ++rr) to_pair_order(Q.p + int64_t(rr) * p.D, p.D);
   for_each_key_tile(plan, tl, split, acc, [&](const Tile& tj) {  // each reads only what it wrote to S
-    scores_by_rows<T>(p, tj, n, Q.p, S.p, ld);
+    scores_by_rows<T>(p, tj, n, Q.p, S.p, ld, next_tile_keys(plan, tj, split));
     apply_rule(tj, S.p, ld, 1);
     online_softmax_rows(n, tj.cols, ld, p.Dv, S.p, acc.m, acc.l, acc.O);
     values_by_rows<T>(p, tj, n, S.p, ld, acc.O);
