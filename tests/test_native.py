@@ -630,7 +630,7 @@ def test_bfloat16_products_sum_in_chains(lq, lk, d, seed, scale):
 def test_one_allowed_key_gives_its_score_as_lse_without_bias(scale):
     """With one key, lse is that key's score. The degree-5 exp of the bfloat16 products' path
     took 2^0 as 0.99999988, which moved every lse by -1.2e-7; averaged over 512 rows of
-    scores near 1 the rounding cancels out, and that bias would not."""
+    scores below 0.25 the rounding cancels out, and that bias would not."""
     rng = np.random.default_rng(0)
     q, k = (torch.tensor(rng.standard_normal(s) / 4).to(torch.bfloat16) for s in ((1, 1, 512, 64), (1, 1, 1, 64)))
     _, lse = qkv.attention(q, k, k, backend="native", return_lse=True, scale=scale)
