@@ -469,26 +469,30 @@ struct Ahead {
   void next() { keys.next_line(), values.next_line(); }
 };
 
-// Whether the item's split goes on past key tile tj to a tile that is not EMPTY (as past a
-// causal diagonal).
-inline bool next_tile_runs(const ForwardPlan& plan, const Tile& tj, int split) {
+struct NextKeys {
+  int k0 = 0, count = 0;  // keys k0 .. k0 + count; none when count is 0
+};
+
+// The keys of the item's next key tile after tj: none past the split's end or where that
+// tile is EMPTY (as past a causal diagonal).
+inline NextKeys next_tile_keys(const ForwardPlan& plan, const Tile& tj, int split) {
+  const Problem& p = plan.f.p;
   const int j = tj.j + 1;
-  return j < plan.split_end(split) && tile_class(plan.f.p, tj.r, tj.t, j) != qkv::EMPTY;
+  if (j >= plan.split_end(split) || tile_class(p, tj.r, tj.t, j) == qkv::EMPTY) return {};
+  const int k0 = tj.k0 + p.block_k;
+  return {k0, imin(p.block_k, p.Lk - k0)};
 }
 
-// Ahead of key tile tj: K of the next key tile in the item's split unless it is EMPTY, no
-// values. Packed float32 keys come in over `calls` calls.
+// Ahead of key tile tj: K of the next key tile in the item's split, no values. Packed float32
+// keys come in over `calls` calls.
 inline Ahead next_keys(const ForwardPlan& plan, const Tile& tj, int split, int calls = 1) {
   const Problem& p = plan.f.p;
-  Ahead ahead;
-  const int j = tj.j + 1;
-  if (!next_tile_runs(plan, tj, split)) return ahead;
+  const NextKeys next = next_tile_keys(plan, tj, split);
+  if (next.count == 0) return {};
 #if defined(QKV_BF16_PRODUCTS)
-  if (plan.keys) return {whole(plan.keys->tile(tj.r, j), plan.keys->bytes(), calls), {}};
+  if (plan.keys) return {whole(plan.keys->tile(tj.r, tj.j + 1), plan.keys->bytes(), calls), {}};
 #endif
-  const int k0 = tj.k0 + p.block_k;
-  ahead.keys = rows_span(p.k, p.dtype, tj.b, tj.kv, k0, imin(p.block_k, p.Lk - k0), p.D);
-  return ahead;
+  return {rows_span(p.k, p.dtype, tj.b, tj.kv, next.k0, next.count, p.D), {}};
 }
 
 // Oᵀ's columns q .. q + W - 1 (Dv rows of np) times alpha, unless no maximum moved: alpha is
@@ -1075,9 +1079,6 @@ constexpr int keys_at_once() {
 // it in alternating processes, 1.04-1.19x (21.0-22.7 GB/s against 18.4-20.2, 66-75% of the
 // sum), bfloat16 0.95-1.15x. Not measured on AVX2, where requesting the next tile during the
 // values pass was slower (README, "Speed").
-struct NextKeys {
-  int k0 = 0, count = 0;  // keys k0 .. k0 + count; none when count is 0
-};
 constexpr bool REQUEST_NEXT_TILE = Vec::REGISTERS >= 32;
 
 template <int N, class T>
@@ -1092,7 +1093,7 @@ inline void scores_by_rows(const Problem& p, const Tile& tj, const float* Q, flo
     for (int u = c; u < c + KEYS && u < fetched; ++u) {  // K and V rows, whole
       for (int d = 0; d < p.D; d += PER_LINE<T>) __builtin_prefetch(K + int64_t(tj.k0 + u) * p.k.s2 + d, 0, 3);
       for (int d = 0; d < p.Dv; d += PER_LINE<T>) __builtin_prefetch(V + int64_t(tj.k0 + u) * p.v.s2 + d, 0, 3);
-      if (!REQUEST_NEXT_TILE || u >= next.count) continue;
+      if (u >= next.count) continue;
       for (int d = 0; d < p.D; d += PER_LINE<T>) __builtin_prefetch(K + int64_t(next.k0 + u) * p.k.s2 + d, 0, 2);
       for (int d = 0; d < p.Dv; d += PER_LINE<T>) __builtin_prefetch(V + int64_t(next.k0 + u) * p.v.s2 + d, 0, 2);
     }
@@ -1217,14 +1218,6 @@ inline void for_each_key_tile(const ForwardPlan& plan, const Tile& tl, int split
   }
 }
 
-// The keys of the item's next key tile, for scores_by_rows to request (none past the split's end
-// or where that tile is EMPTY).
-inline NextKeys next_tile_keys(const ForwardPlan& plan, const Tile& tj, int split) {
-  if (!REQUEST_NEXT_TILE || !next_tile_runs(plan, tj, split)) return {};
-  const int k0 = tj.k0 + plan.f.p.block_k;
-  return {k0, imin(plan.f.p.block_k, plan.f.p.Lk - k0)};
-}
-
 template <class T>
 void few_queries_tiles_of(const ForwardPlan& plan, const Tile& tl, int split, Accumulator& acc) {
   const Problem& p = plan.f.p;
@@ -1236,7 +1229,7 @@ void few_queries_tiles_of(const ForwardPlan& plan, const Tile& tl, int split, Ac
   constexpr bool paired = sizeof(T) == 2;  // bfloat16 rows: Q and O in pair order
   for (int rr = 0; paired && rr < n; ++rr) to_pair_order(Q.p + int64_t(rr) * p.D, p.D);
   for_each_key_tile(plan, tl, split, acc, [&](const Tile& tj) {  // each reads only what it wrote to S
-    scores_by_rows<T>(p, tj, n, Q.p, S.p, ld, next_tile_keys(plan, tj, split));
+    scores_by_rows<T>(p, tj, n, Q.p, S.p, ld, REQUEST_NEXT_TILE ? next_tile_keys(plan, tj, split) : NextKeys{});
     apply_rule(tj, S.p, ld, 1);
     online_softmax_rows(n, tj.cols, ld, p.Dv, S.p, acc.m, acc.l, acc.O);
     values_by_rows<T>(p, tj, n, S.p, ld, acc.O);
