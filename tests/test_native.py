@@ -14,6 +14,7 @@ import qkv
 from helpers import assert_within_rule, check_backend, to64
 from qkv import dispatch, inputs
 from qkv._threads import available_cpus
+from qkv.backends import native as native_backend
 from qkv.backends.native import default_threads
 
 torch = pytest.importorskip("torch")
@@ -519,6 +520,24 @@ def test_decoding_path(rng, mask, lq, hq, hkv, dtype, d, dv):
     got = qkv.attention(*arrays, backend="native", **kwargs)
     want = qkv.attention(*(to64(x) for x in arrays), backend="reference", **kwargs)  # of the rounded inputs
     assert_within_rule(got, want, qkv.attention(*arrays, backend="reference", **kwargs), dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("lk", [1027, 1030, 2049, 600])
+@pytest.mark.parametrize("hq,dv", [(4, 128), (1, 64), (3, 32), (2, 16)])
+def test_decoding_reads_key_tiles_in_streams(rng, dtype, lk, hq, dv):
+    """Up to four stacked queries and value rows the values pass takes whole: the decoding path
+    reads a key tile as four runs side by side, the keys past four whole runs in order (last
+    tiles of 3, 6, 1 and 88 keys), in the scores and the values pass."""
+    q64, k64, v64 = (rng.standard_normal(s) for s in ((1, hq, 1, 64), (1, 1, lk, 64), (1, 1, lk, dv)))
+    if dtype == "float32":
+        arrays = [x.astype(np.float32) for x in (q64, k64, v64)]
+    else:
+        arrays = [torch.from_numpy(x).to(torch.bfloat16) for x in (q64, k64, v64)]
+    assert native.block_sizes(inputs.prepare(*arrays)) == (native_backend.BLOCK_Q, native_backend.DECODING_BLOCK_K)
+    got = qkv.attention(*arrays, backend="native")
+    want = qkv.attention(*(to64(x) for x in arrays), backend="reference")  # of the rounded inputs
+    assert_within_rule(got, want, qkv.attention(*arrays, backend="reference"), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
