@@ -1064,7 +1064,7 @@ constexpr int keys_at_once(int n) {
 
 // Vectors of a value row the values pass can take at once: with 32 registers a row of 128
 // float32 or bfloat16 values, though 4 rows of 8 accumulators spill some (decoding as below,
-// keys in streams: 1.14-1.19x as fast as half rows in two passes).
+// keys in streams: 1.10-1.19x as fast as half rows in two passes).
 constexpr int ROW_VECTORS = Vec::REGISTERS >= 32 ? 8 : 2;
 
 // Decoding reads a key tile's rows as STREAMS runs through it side by side: the first
