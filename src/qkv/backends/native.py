@@ -72,9 +72,9 @@ BF16_PRODUCT_QUERIES, BF16_PRODUCT_BLOCK_K = 128, 256
 FEW_QUERIES = {"float32": 8, "bfloat16": 32}
 # The decoding path's key tiles: its four runs through a tile (csrc/kernel.h, STREAMS) read
 # best when each is long, but not past what the caches hold. Decoding 32768 keys, 32/8 heads of
-# 128, on Zen 4, paired medians of 12 rounds in one process against tiles of 128 (before the
-# runs): float32 1.26-1.29x with 256, 1.25-1.29x with 512, 1.15-1.16x with 1024; bfloat16
-# 1.02x with 256, 1.06-1.12x with 512, 1.05-1.09x with 1024.
+# 128, on Zen 4, paired medians of 12 rounds in one process against the kernel before the runs
+# (tiles of 128, keys in order): float32 1.26-1.29x with 256, 1.25-1.29x with 512, 1.15-1.16x
+# with 1024; bfloat16 1.02x with 256, 1.06-1.12x with 512, 1.05-1.09x with 1024.
 DECODING_BLOCK_K = 512
 
 
