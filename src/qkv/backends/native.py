@@ -226,9 +226,23 @@ class NativeBackend(Backend):
 
     def workspace_bytes(self, inp):
         threads = self.call_threads()  # the tiles held at once: one per thread of the call
-        return tile_workspace(threads, *self.block_sizes(inp), inp.group, inp.D, inp.Dv, "float32") \
+        block_q, block_k = self.block_sizes(inp)
+        rows = min(block_q, inp.Lq)  # a query tile holds the queries there are (a decoding step's few)
+        return tile_workspace(threads, rows, block_k, inp.group, inp.D, inp.Dv, "float32") + self._split_bytes(inp) \
             + (8 if inp.needs_grad else 4) * inp.B * inp.Hq * inp.Lq + self._packed_bytes(inp) \
             + self._mask_bytes(inp) + saved_output_bytes(inp)  # lse, and lse_lo for the backward
+
+    def _split_bytes(self, inp):
+        """The key splits' partial results, at most (csrc/kernel.h, forward): with fewer than 16
+        (row, query tile) items, each item's keys split up to 32 / items + 1 ways, and each split
+        keeps its tile's maxima, sums and output (rows padded to 32, Dv to 32)."""
+        block_q, block_k = self.block_sizes(inp)
+        items = inp.B * inp.Hkv * cdiv(inp.Lq, block_q)
+        if items >= 16:
+            return 0
+        splits = min(16, 32 // items + 1, cdiv(inp.Lk, block_k))
+        rows = cdiv(inp.group * min(block_q, inp.Lq), 32) * 32
+        return items * splits * rows * (2 + cdiv(inp.Dv, 32) * 32) * 4
 
     def automatic_refusal(self, inp):
         # A mask that is not key intervals reaches the kernel as a byte per score of its PARTIAL
