@@ -2,7 +2,7 @@
 each way: the online softmax's rescaling, mask and dropout positions past the first tile,
 EMPTY / PARTIAL / FULL tiles side by side, and gradients summed over key tiles. numpy and
 torch run on small tiles (their defaults would take one tile at these sizes); native runs
-on its own 64 x 128 tiles, with sizes that cross them."""
+on its own tiles (64 x 128 masked, 64 x 256 unmasked), with sizes that cross them."""
 import numpy as np
 import pytest
 
@@ -14,12 +14,12 @@ from qkv.backends import torch as torch_backend
 torch = pytest.importorskip("torch")
 
 SMALL_Q, SMALL_K = 16, 32  # numpy and torch tiles here
-B, HQ, HKV, LQ, LK, D, DV = 2, 4, 2, 150, 300, 16, 24  # native: 3 x 3 tiles, crossing both edges
+B, HQ, HKV, LQ, LK, D, DV = 2, 4, 2, 150, 600, 16, 24  # native: 3 x 5 or 3 x 3 tiles, crossing both edges
 
 
 def _masks():
     lengths = np.array([LK, 170])  # the second row's keys end inside a tile
-    ids = np.repeat(np.arange(5), 60)[None].repeat(B, 0)  # documents that cut tiles
+    ids = np.repeat(np.arange(10), 60)[None].repeat(B, 0)  # documents that cut tiles
     return {
         "none": None,
         "causal": qkv.causal(),

@@ -167,16 +167,16 @@ def test_packed_values_are_counted_whole_tiles():
 @pytest.mark.parametrize("mask", [None, "causal"])
 def test_tile_sizes_by_call(shape, mask):
     """Unmasked bfloat16 takes the larger tiles where its products are bfloat16 ones (AMX or
-    VDPBF16PS: about 128 queries over the group's heads, 256 keys); everything else the
-    default tiles. Both agree with the float64
-    oracle."""
-    from qkv.backends.native import BF16_PRODUCT_BLOCK_K, BF16_PRODUCT_QUERIES, BLOCK_K, BLOCK_Q
+    VDPBF16PS: about 128 queries over the group's heads, 256 keys), else on the FMA units 64
+    queries and 256 keys; masked calls 64 x 128. All agree with the float64 oracle."""
+    from qkv.backends.native import BF16_PRODUCT_BLOCK_K, BF16_PRODUCT_QUERIES, BLOCK_K, BLOCK_Q, UNMASKED_BLOCK_K
 
     m = None if mask is None else qkv.causal()
     q, k, v = _inputs(SHAPES[shape], torch.bfloat16)
     inp = inputs.prepare(q, k, v, m)
     large = mask is None and _native_isa() in ("amx", "avx512bf16")
-    want = (BF16_PRODUCT_QUERIES // inp.group, BF16_PRODUCT_BLOCK_K) if large else (BLOCK_Q, BLOCK_K)
+    want = (BF16_PRODUCT_QUERIES // inp.group, BF16_PRODUCT_BLOCK_K) if large else \
+        (BLOCK_Q, UNMASKED_BLOCK_K if mask is None else BLOCK_K)
     assert native.block_sizes(inp) == want
     check_backend("native", (q, k, v), tuple(to64(x) for x in (q, k, v)), "bfloat16", mask=m)
 
