@@ -187,8 +187,8 @@ class NativeBackend(Backend):
 
     def block_sizes(self, inp):
         """The forward's (block_q, block_k); the backward always runs on BLOCK_Q x BLOCK_K."""
-        if _few_queries(inp):
-            return BLOCK_Q, DECODING_BLOCK_K
+        if _few_queries(inp):  # a query tile of the queries there are: a mask's bitmaps hold their rows only
+            return max(1, min(BLOCK_Q, inp.Lq)), DECODING_BLOCK_K
         if inp.mask is None and self.on_bf16_products(inp):
             return max(16, BF16_PRODUCT_QUERIES // inp.group), BF16_PRODUCT_BLOCK_K
         if inp.mask is None:
