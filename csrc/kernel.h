@@ -1009,7 +1009,9 @@ inline void from_pair_order(float* row, int n) {
 // S[rr][c + u·step] = scale·(Q[rr]·K[k0 + c + u·step]) for the N query rows (Q: N x D, in the
 // rows' order) and the KEYS keys u = 0 .. KEYS - 1 from key c of the tile, `spacing` apart if
 // SPACED, else in a row (step 1). N and KEYS are template parameters so the accumulators stay
-// in registers; four keys' sums share one reduction.
+// in registers; four keys' sums share one reduction. SPACED is one too, so the calls in order
+// keep a constant step (a step read at run time made AVX2 code with 2 rows per KV head 0.79x
+// as fast, decoding 32768 keys on Zen 4).
 template <int N, int KEYS, class T, bool SPACED = false>
 inline void scores_of_keys(const Problem& p, const Tile& tj, int c, const float* Q, float* S, int ld, int spacing = 1) {
   const T* K = static_cast<const T*>(p.k.data) + tj.b * p.k.s0 + int64_t(tj.kv) * p.k.s1;

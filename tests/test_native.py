@@ -14,7 +14,6 @@ import qkv
 from helpers import assert_within_rule, check_backend, to64
 from qkv import dispatch, inputs
 from qkv._threads import available_cpus
-from qkv.backends import native as native_backend
 from qkv.backends.native import default_threads
 
 torch = pytest.importorskip("torch")
@@ -529,12 +528,14 @@ def test_decoding_reads_key_tiles_in_streams(rng, dtype, lk, hq, dv):
     """Up to four stacked queries and value rows the values pass takes whole: the decoding path
     reads a key tile as four runs side by side, the keys past four whole runs in order (last
     tiles of 3, 6, 1 and 88 keys), in the scores and the values pass."""
+    from qkv.backends.native import DECODING_BLOCK_K
+
     q64, k64, v64 = (rng.standard_normal(s) for s in ((1, hq, 1, 64), (1, 1, lk, 64), (1, 1, lk, dv)))
     if dtype == "float32":
         arrays = [x.astype(np.float32) for x in (q64, k64, v64)]
     else:
         arrays = [torch.from_numpy(x).to(torch.bfloat16) for x in (q64, k64, v64)]
-    assert native.block_sizes(inputs.prepare(*arrays)) == (1, native_backend.DECODING_BLOCK_K)
+    assert native.block_sizes(inputs.prepare(*arrays)) == (1, DECODING_BLOCK_K)
     got = qkv.attention(*arrays, backend="native")
     want = qkv.attention(*(to64(x) for x in arrays), backend="reference")  # of the rounded inputs
     assert_within_rule(got, want, qkv.attention(*arrays, backend="reference"), dtype)

@@ -250,8 +250,8 @@ class NativeBackend(Backend):
         if items >= 16:
             return 0
         splits = min(16, 32 // items + 1, cdiv(inp.Lk, block_k))
-        rows = cdiv(inp.group * min(block_q, inp.Lq), 32) * 32
-        return items * splits * rows * (2 + cdiv(inp.Dv, 32) * 32) * 4
+        rows = _padded(inp.group * min(block_q, inp.Lq))
+        return items * splits * rows * (2 + _padded(inp.Dv)) * 4
 
     def automatic_refusal(self, inp):
         # A mask that is not key intervals reaches the kernel as a byte per score of its PARTIAL
@@ -297,11 +297,15 @@ class NativeBackend(Backend):
         whole key tile (block_k rounded up to 32 keys) for every key tile, the last one too."""
         if not self.on_bf16_products(inp):
             return 0
-        up = lambda n: -(-n // 32) * 32  # noqa: E731 (the kernel pads to 32)
         block_k = self.block_sizes(inp)[1]
-        padded_keys = cdiv(inp.Lk, block_k) * up(block_k)
-        values, keys = (up(inp.Dv), 0) if inp.dtype == "bfloat16" else (3 * up(inp.Dv), 3 * up(inp.D))
+        padded_keys = cdiv(inp.Lk, block_k) * _padded(block_k)
+        values, keys = (_padded(inp.Dv), 0) if inp.dtype == "bfloat16" else (3 * _padded(inp.Dv), 3 * _padded(inp.D))
         return 2 * inp.B * inp.Hkv * padded_keys * (values + keys)
+
+
+def _padded(n: int) -> int:
+    """n rounded up to 32, as the kernel pads bfloat16 pairs' rows and its partial results."""
+    return cdiv(n, 32) * 32
 
 
 def _few_queries(inp) -> bool:
