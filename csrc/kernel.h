@@ -511,6 +511,7 @@ inline Vec column_max(const float* ST, int cols, int np, int q) {
   Vec mx[4] = {Vec::set1(NEG_INF), Vec::set1(NEG_INF), Vec::set1(NEG_INF), Vec::set1(NEG_INF)};
   int c = 0;
   for (; c + 4 <= cols; c += 4)
+#pragma GCC unroll 4
     for (int u = 0; u < 4; ++u) mx[u] = Vec::max(mx[u], Vec::load(ST + int64_t(c + u) * np + q));
   for (; c < cols; ++c) mx[0] = Vec::max(mx[0], Vec::load(ST + int64_t(c) * np + q));
   return Vec::max(Vec::max(mx[0], mx[1]), Vec::max(mx[2], mx[3]));
@@ -600,7 +601,9 @@ inline void online_softmax_columns(int cols, int np, int Dv, float* ST, const fl
     Vec sums[4] = {Vec::zero(), Vec::zero(), Vec::zero(), Vec::zero()};
     int c = 0;
     for (; c + 4 <= cols; c += 4) {
-      for (int u = 0; u < 4; ++u) {  // unrolled: the sums stay in registers
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) {  // unrolled, so the sums stay in registers (GCC 12 left
+                                     // them on the stack without the pragma: forward 1.015x)
         float* s = ST + int64_t(c + u) * np + q;
         Vec e = Vec::exp(Vec::load(s) - shift);
         e.store(s);
@@ -1133,10 +1136,8 @@ inline void scores_of_keys(const Problem& p, const Tile& tj, int c, const float*
   }
 #if defined(QKV_AVX512)
   if constexpr (N == 4 && KEYS == 4) {
-    const Vec all[16] = {acc[0][0], acc[1][0], acc[2][0], acc[3][0], acc[0][1], acc[1][1], acc[2][1], acc[3][1],
-                         acc[0][2], acc[1][2], acc[2][2], acc[3][2], acc[0][3], acc[1][3], acc[2][3], acc[3][3]};
     float sums[16];
-    (Vec::sum16(all) * Vec::set1(p.scale)).store(sums);
+    (Vec::sum16(acc) * Vec::set1(p.scale)).store(sums);
     for (int rr = 0; rr < N; ++rr)
       for (int u = 0; u < KEYS; ++u) S[rr * ld + c + u * step] = sums[rr * 4 + u];
     return;
