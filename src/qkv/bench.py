@@ -324,8 +324,11 @@ def _peak_mib(call, device: str) -> float | None:
     return (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
-#: Timed rounds per workload where --repeats does not say.
-DEFAULT_REPEATS = 5
+#: Timed rounds per workload where --repeats does not say. On a shared 2-CPU machine single
+#: calls of one implementation spread by ±10% and more (torch's float32 SDPA forward at
+#: 4096 tokens: 140-166 GFLOP/s over 30 rounds of one run), and a median of 5 left ratios
+#: 0.1 apart from run to run; 15 rounds cost the default suite about a minute more.
+DEFAULT_REPEATS = 15
 
 #: Idle time before each timed call. OpenMP pools (torch's, BLAS's) keep spinning for a few
 #: milliseconds after a call; on a machine with few cores that steals a core from whichever
