@@ -1605,12 +1605,13 @@ inline int key_tile_ld(int bkp) { return bkp % 64 == 0 ? bkp + 32 : bkp; }
 
 struct BackwardPlan {
   const Backward& bw;
-  int G, nq, nk, Dp, Dvp, bkp, n_max, ldk;  // ldk: key_tile_ld(bkp)
+  int G, nq, nk, Dp, Dvp, bkp, n_max;
   bool decoding;  // the forward ran on the decoding path, which rounds scores its own way
   // per (row, query tile): Q (n_max x Dp), dO (n_max x Dvp), lse, lse_lo and delta (n_max), and
   // for bfloat16 on the decoding path Q in pair order (n_max x Dp), as that path reads it
   float *Q, *dO, *lse, *lse_lo, *delta, *Q_pairs;
   bool pairs() const { return decoding && bw.p.dtype == qkv::BF16; }
+  int ldk() const { return key_tile_ld(bkp); }
   // per (row, key tile): Kᵀ (Dp x bkp, rows ldk apart), Vᵀ (Dvp x bkp, the same), K (bkp x Dp)
   float *Kt, *Vt, *K;
   int64_t q_tile(int r, int t) const { return int64_t(r) * nq + t; }
@@ -1663,30 +1664,30 @@ void pack_key_item(void* ctx, int64_t rj) {
   const Problem& p = plan.bw.p;
   const int r = int(rj / plan.nk), j = int(rj % plan.nk);
   Tile tk = make_tile(p, r, 0, j);
-  const int64_t at = plan.k_tile(r, j), bkp = plan.bkp;
-  load_transposed(p.k, p.dtype, tk.b, tk.kv, tk.k0, tk.cols, p.D, plan.ldk, plan.Kt + at * plan.Dp * plan.ldk);
-  load_transposed(p.v, p.dtype, tk.b, tk.kv, tk.k0, tk.cols, p.Dv, plan.ldk, plan.Vt + at * plan.Dvp * plan.ldk);
+  const int64_t at = plan.k_tile(r, j), bkp = plan.bkp, ldk = plan.ldk();
+  load_transposed(p.k, p.dtype, tk.b, tk.kv, tk.k0, tk.cols, p.D, ldk, plan.Kt + at * plan.Dp * ldk);
+  load_transposed(p.v, p.dtype, tk.b, tk.kv, tk.k0, tk.cols, p.Dv, ldk, plan.Vt + at * plan.Dvp * ldk);
   load_rows(p.k, p.dtype, tk.b, tk.kv, tk.k0, tk.cols, bkp, p.D, plan.Dp, plan.K + at * bkp * plan.Dp);
 }
 
-// S (n x bkp, rows ldk apart) = scale·Q·Kᵀ, rounded as the forward rounded it, so that P is rebuilt against
-// the lse of the same scores. The decoding path sums each q·k along the head dim in vector
+// S (n x bkp, rows ldk apart) = scale·Q·Kᵀ, rounded as the forward rounded it, so that P is
+// rebuilt against the lse of the same scores. The decoding path sums each q·k along the head dim in vector
 // lanes (bfloat16 ones in pair order); from the products' sums instead, the lse was 7.6e-6
 // off them at scale 7 and dq broke the tolerance rule.
 inline void recompute_scores(const BackwardPlan& plan, const Tile& tj, const QueryTile& qt, const float* Kt,
                              float* S) {
   const Problem& p = plan.bw.p;
-  const int n = tj.n();
-  if (!plan.decoding) return gemm_scaled(n, plan.bkp, p.D, rows_of(qt.Q, plan.Dp), Kt, plan.ldk, S, plan.ldk, p.scale);
-  if (p.dtype == qkv::F32) return scores_by_rows<float>(p, tj, n, qt.Q, S, plan.ldk);  // Dp = D here
-  scores_by_rows<uint16_t>(p, tj, n, qt.Q_pairs, S, plan.ldk);
+  const int n = tj.n(), ldk = plan.ldk();
+  if (!plan.decoding) return gemm_scaled(n, plan.bkp, p.D, rows_of(qt.Q, plan.Dp), Kt, ldk, S, ldk, p.scale);
+  if (p.dtype == qkv::F32) return scores_by_rows<float>(p, tj, n, qt.Q, S, ldk);  // Dp = D here
+  scores_by_rows<uint16_t>(p, tj, n, qt.Q_pairs, S, ldk);
 }
 
 // P = exp(S - lse - lse_lo) in S; dS = P ∘ (dP - delta) ∘ d(modifier) in dP. Kt/Vt are the tile's Kᵀ, Vᵀ.
 inline void probabilities_and_score_grads(const BackwardPlan& plan, const Tile& tj, const QueryTile& qt,
                                           const float* Kt, const float* Vt, float* S, float* dP) {
   const Problem& p = plan.bw.p;
-  const int n = tj.n(), bkp = plan.bkp, ldk = plan.ldk;
+  const int n = tj.n(), bkp = plan.bkp, ldk = plan.ldk();
   recompute_scores(plan, tj, qt, Kt, S);
   apply_rule(tj, S, ldk, 1);
   for (int rr = 0; rr < n; ++rr) fill(S + int64_t(rr) * ldk + tj.cols, bkp - tj.cols, NEG_INF);  // padding keys
@@ -1732,7 +1733,7 @@ inline void store_rows(qkv::DType dtype, void* base, int64_t first_row, int coun
 struct PairScratch {
   Buffer S, dP;
   explicit PairScratch(const BackwardPlan& plan)
-      : S(int64_t(plan.n_max) * plan.ldk), dP(int64_t(plan.n_max) * plan.ldk) {}
+      : S(int64_t(plan.n_max) * plan.ldk()), dP(int64_t(plan.n_max) * plan.ldk()) {}
 };
 
 // The gradients one (query tile t, key tile j) pair of row r contributes: dQ_t += dS·K and,
@@ -1741,7 +1742,7 @@ inline void accumulate_pair(const BackwardPlan& plan, int r, int t, int j, PairS
                             float* dV) {
   const Problem& p = plan.bw.p;
   Tile tj = make_tile(p, r, t, j);
-  const int n = tj.n(), bkp = plan.bkp, ldk = plan.ldk;
+  const int n = tj.n(), bkp = plan.bkp, ldk = plan.ldk();
   const int64_t at = plan.k_tile(r, j);
   QueryTile qt(plan, r, t);
   probabilities_and_score_grads(plan, tj, qt, plan.Kt + at * plan.Dp * ldk, plan.Vt + at * plan.Dvp * ldk, w.S.p,
@@ -1816,18 +1817,17 @@ void backward(const Backward& bw) {
   if (p.B == 0 || p.Hkv == 0) return;  // no gradient elements
   const int G = p.Hq / p.Hkv, threads = threads_for(p, MIN_PARALLEL_MULTIPLY_ADDS);
   BackwardPlan plan{bw, G, cdiv(p.Lq, p.block_q), cdiv(p.Lk, p.block_k), round_up(p.D, W), round_up(p.Dv, W),
-                    round_up(p.block_k, W), G * p.block_q, 0, decoding_forward(p)};
-  plan.ldk = key_tile_ld(plan.bkp);
+                    round_up(p.block_k, W), G * p.block_q, decoding_forward(p)};
   const int64_t rows = int64_t(p.B) * p.Hkv, q_tiles = rows * plan.nq, k_tiles = rows * plan.nk;
   const int q_planes = plan.pairs() ? 2 : 1;  // Q, and Q in pair order
   Buffer q_side(q_tiles * plan.n_max * (q_planes * plan.Dp + plan.Dvp + 3));
-  Buffer k_side(k_tiles * (plan.ldk * (plan.Dp + plan.Dvp) + plan.bkp * plan.Dp));
+  Buffer k_side(k_tiles * (plan.ldk() * (plan.Dp + plan.Dvp) + plan.bkp * plan.Dp));
   plan.Q = q_side.p, plan.dO = plan.Q + q_tiles * plan.n_max * plan.Dp;
   plan.lse = plan.dO + q_tiles * plan.n_max * plan.Dvp, plan.lse_lo = plan.lse + q_tiles * plan.n_max;
   plan.delta = plan.lse_lo + q_tiles * plan.n_max;
   plan.Q_pairs = plan.delta + q_tiles * plan.n_max;
-  plan.Kt = k_side.p, plan.Vt = plan.Kt + k_tiles * plan.Dp * plan.ldk;
-  plan.K = plan.Vt + k_tiles * plan.Dvp * plan.ldk;
+  plan.Kt = k_side.p, plan.Vt = plan.Kt + k_tiles * plan.Dp * plan.ldk();
+  plan.K = plan.Vt + k_tiles * plan.Dvp * plan.ldk();
   qkv::parallel_for(q_tiles, threads, pack_query_item, &plan);
   qkv::parallel_for(k_tiles, threads, pack_key_item, &plan);
   if (rows >= 4) {  // enough rows to share out: each pair once (a shape rule, so threads never change results)
