@@ -208,6 +208,27 @@ void run_backward(const Backward& b) {
   }
 }
 
+// The FLOPs of a loop of independent multiply-adds (`flops`, rounded up to whole passes, on
+// `threads` threads) in the instruction set the kernel runs with; 0 where it has no bfloat16
+// pair products.
+double run_peak_loop(int64_t flops, int threads, bool pairs) {
+  switch (isa()) {  // only the variants built (QKV_BUILT_*: x86 only)
+#if defined(QKV_BUILT_AMX)
+    case Isa::Amx: return isa_amx::peak_loop(flops, threads, pairs);
+#endif
+#if defined(QKV_BUILT_AVX512BF16)
+    case Isa::Avx512Bf16: return isa_avx512bf16::peak_loop(flops, threads, pairs);
+#endif
+#if defined(QKV_BUILT_AVX512)
+    case Isa::Avx512: return isa_avx512::peak_loop(flops, threads, pairs);
+#endif
+#if defined(QKV_BUILT_AVX2)
+    case Isa::Avx2: return isa_avx2::peak_loop(flops, threads, pairs);
+#endif
+    default: return isa_generic::peak_loop(flops, threads, pairs);
+  }
+}
+
 }  // namespace
 
 NB_MODULE(_native, m) {
@@ -218,6 +239,20 @@ NB_MODULE(_native, m) {
   m.def("threading", &qkv::threading_name,
         "Whose threads the kernel runs on here: 'openmp' (the process's OpenMP threads, which torch's "
         "own operations share) or 'own pool'.");
+  m.def(
+      "peak_loop",
+      [](int64_t flops, int threads, const std::string& dtype) {
+        if (flops < 0 || threads < 1) throw std::invalid_argument("peak_loop takes flops >= 0 and threads >= 1");
+        if (dtype != "float32" && dtype != "bfloat16")
+          throw std::invalid_argument("peak_loop's dtype is 'float32' or 'bfloat16', got '" + dtype + "'");
+        nb::gil_scoped_release unlocked;
+        return run_peak_loop(flops, threads, dtype == "bfloat16");
+      },
+      nb::arg("flops"), nb::arg("threads"), nb::arg("dtype") = "float32",
+      "Runs `flops` FLOPs (rounded up to a whole pass over its accumulators) of independent multiply-adds on "
+      "`threads` threads, in the instruction set the kernel runs with (float32 FMAs, or with dtype='bfloat16' "
+      "pair dot products, VDPBF16PS), and returns the FLOPs done: 0 where that instruction set has no bfloat16 "
+      "pair products. Timed, it is the arithmetic's own rate: no loads, and no multiply-add waiting on another.");
   m.def(
       "forward",
       [](Any q, Any k, Any v, Out out, std::optional<FlatOut<float>> lse, float scale, int block_q, int block_k,

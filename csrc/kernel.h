@@ -1838,4 +1838,71 @@ void backward(const Backward& bw) {
   }
 }
 
+// ---- the arithmetic's own rate -------------------------------------------------------------
+// What the vector units do with no memory in the way: the yardstick `qkv bench` sets its compute
+// workloads against. Each item runs passes of one multiply-add on each of ACC independent
+// accumulators (no loads, and no multiply-add waits on another within a pass).
+namespace {
+
+constexpr int PEAK_ACCUMULATORS = Vec::REGISTERS >= 32 ? 24 : 12;
+
+struct PeakLoop {
+  int64_t passes, items;  // in all, shared out evenly
+  bool pairs;             // bfloat16 pair dot products (VDPBF16PS) instead of float32 FMAs
+  float* sinks;           // one per item: the accumulators' sum, so that no pass can be left out
+  int64_t passes_of(int64_t item) const { return passes / items + (item < passes % items); }
+};
+
+template <class Acc, class Step>
+inline void run_passes(int64_t passes, Acc (&acc)[PEAK_ACCUMULATORS], Step step) {
+  for (int64_t pass = 0; pass < passes; ++pass)
+#pragma GCC unroll 24
+    for (int i = 0; i < PEAK_ACCUMULATORS; ++i) acc[i] = step(acc[i]);
+}
+
+inline float lanes_sum(const Vec (&acc)[PEAK_ACCUMULATORS]) {
+  float lanes[W], sum = 0.f;
+  for (const Vec& a : acc) {
+    a.store(lanes);
+    for (float x : lanes) sum += x;
+  }
+  return sum;
+}
+
+void peak_item(void* ctx, int64_t item) {
+  const PeakLoop& loop = *static_cast<const PeakLoop*>(ctx);
+#if defined(QKV_BF16_PRODUCTS)
+  if (loop.pairs) {
+    __m512 acc[PEAK_ACCUMULATORS];
+    for (int i = 0; i < PEAK_ACCUMULATORS; ++i) acc[i] = _mm512_set1_ps(float(i));
+    const __m512bh a = (__m512bh)_mm512_set1_epi32(0x3f803f80), b = (__m512bh)_mm512_set1_epi32(0x3c003c00);
+    run_passes(loop.passes_of(item), acc, [&](__m512 c) { return _mm512_dpbf16_ps(c, a, b); });
+    Vec sums[PEAK_ACCUMULATORS];
+    for (int i = 0; i < PEAK_ACCUMULATORS; ++i) sums[i] = {acc[i]};
+    loop.sinks[item] = lanes_sum(sums);
+    return;
+  }
+#endif
+  Vec acc[PEAK_ACCUMULATORS];
+  for (int i = 0; i < PEAK_ACCUMULATORS; ++i) acc[i] = Vec::set1(float(i));
+  const Vec x = Vec::set1(0.999f), y = Vec::set1(1e-3f);  // each accumulator settles at 1, no overflow
+  run_passes(loop.passes_of(item), acc, [&](Vec c) { return Vec::fma(c, x, y); });
+  loop.sinks[item] = lanes_sum(acc);
+}
+
+}  // namespace
+
+double peak_loop(int64_t flops, int threads, bool pairs) {
+#if !defined(QKV_BF16_PRODUCTS)
+  if (pairs) return 0.0;
+#endif
+  const int64_t per_pass = int64_t(2) * PEAK_ACCUMULATORS * W * (pairs ? 2 : 1);  // VDPBF16PS: two products a lane
+  const int64_t items = int64_t(imax(threads, 1)) * 16;  // small items, so a thread that starts late takes fewer
+  PeakLoop loop{(flops + per_pass - 1) / per_pass, items, pairs, nullptr};
+  Buffer sinks(items);
+  loop.sinks = sinks.p;
+  qkv::parallel_for(items, threads, peak_item, &loop);
+  return double(per_pass) * double(loop.passes);
+}
+
 }  // namespace QKV_ISA_NS

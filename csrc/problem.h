@@ -77,6 +77,7 @@ struct Backward {
   namespace ns {                            \
   void forward(const Forward& f);           \
   void backward(const Backward& b);         \
+  double peak_loop(int64_t flops, int threads, bool pairs); \
   }
 QKV_DECLARE_ISA(isa_amx)
 QKV_DECLARE_ISA(isa_avx512)

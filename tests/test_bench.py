@@ -23,6 +23,7 @@ def test_a_small_run_reports_every_implementation_with_ratios(tmp_path, capsys):
     report = json.loads(out.read_text())
     rows = {r["impl"]: r for r in report["results"]}
     assert ({"qkv native", "torch sdpa"} if native_here() else {"torch sdpa"}) <= set(rows)
+    assert (rows.pop(bench.ARITHMETIC_PEAK, None) is not None) == native_here()  # a yardstick, tested below
     for row in rows.values():
         assert row["error"] is None and row["unit"] == "GFLOP/s"  # times are reported, never asserted
         assert row["rate"] == pytest.approx(4 * 2 * 64 * 64 * 16 / row["seconds"] / 1e9)
@@ -60,10 +61,62 @@ def test_decoding_is_measured_against_a_plain_read_in_the_same_rounds(tmp_path):
     kv_bytes = 2 * 2 * 1024 * 16 * 4
     assert read["unit"] == "GB/s" and read["rate"] == pytest.approx(kv_bytes / read["seconds"] / 1e9)
     assert read["ratio_to_torch"] is None and read["share_of_read"] == pytest.approx(1.0)
+    assert bench.ARITHMETIC_PEAK not in rows  # decoding is measured against the read only
     assert ({"qkv native", "torch sdpa"} if native_here() else {"torch sdpa"}) <= set(rows)
     for row in rows.values():
         assert row["unit"] == "GB/s" and row["rate"] == pytest.approx(kv_bytes / row["seconds"] / 1e9)
         assert row["share_of_read"] == pytest.approx(row["rate"] / read["rate"])
+
+
+@pytest.mark.skipif(not native_here(), reason="the yardstick is the native kernel's own loop")
+@pytest.mark.parametrize("dtype,backward,loop", [("float32", False, "float32"), ("bfloat16", False, "bfloat16"),
+                                                 ("bfloat16", True, "float32")])
+def test_compute_workloads_are_measured_against_the_arithmetic_peak_in_the_same_rounds(tmp_path, monkeypatch,
+                                                                                        dtype, backward, loop):
+    from qkv.backends import native
+
+    calls = []
+    peak_loop = native._native.peak_loop
+    monkeypatch.setattr(native._native, "peak_loop", lambda *args: calls.append(args) or peak_loop(*args),
+                        raising=False)
+    if loop == "bfloat16" and native._native.isa() != "avx512bf16":
+        loop = None if native._native.isa() == "amx" else "float32"  # AMX tiles: not this loop's arithmetic
+    out = tmp_path / "bench.json"
+    args = ["bench", "--shape", "1,2,64,16", "--dtype", dtype, "--repeats", "2", "--no-peers", "--json", str(out)]
+    assert cli.main(args + ["--backward"] * backward) == 0
+    rows = {r["impl"]: r for r in json.loads(out.read_text())["results"]}
+    if loop is None:
+        assert bench.ARITHMETIC_PEAK not in rows
+        return
+    peak = rows.pop(bench.ARITHMETIC_PEAK)
+    flops = 4 * 2 * 64 * 64 * 16 * (3.5 if backward else 1)
+    assert peak["unit"] == "GFLOP/s" and peak["rate"] == pytest.approx(flops / peak["seconds"] / 1e9)
+    assert peak["check"] is None and peak["ratio_to_torch"] is None and peak["share_of_peak"] == pytest.approx(1.0)
+    threads = dispatch.REGISTRY["native"].call_threads()
+    assert set(calls) == {(int(flops), threads, loop)} and len(calls) >= 1 + 2  # warm-up, rounds
+    for row in rows.values():
+        assert row["share_of_peak"] == pytest.approx(row["rate"] / peak["rate"]) and row["share_of_read"] is None
+
+
+@pytest.mark.skipif(not native_here(), reason="the native kernel's loop")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_peak_loop_does_the_flops_it_is_asked_for_rounded_up_to_whole_passes(dtype):
+    from qkv.backends import native
+
+    per_pass = 2 * 16 * 24 if native._native.isa() in ("avx512", "avx512bf16", "amx") else None
+    if dtype == "bfloat16" and native._native.isa() not in ("avx512bf16", "amx"):
+        assert native._native.peak_loop(10**6, 2, dtype) == 0  # no bfloat16 pair products here
+        return
+    for flops in (0, 1, 10**6, 10**6 + 1):
+        done = native._native.peak_loop(flops, 2, dtype)
+        assert flops <= done
+        if per_pass:
+            step = per_pass * (2 if dtype == "bfloat16" else 1)
+            assert done == -(-flops // step) * step
+    with pytest.raises(ValueError, match="dtype"):
+        native._native.peak_loop(10, 1, "float16")
+    with pytest.raises(ValueError, match="threads >= 1"):
+        native._native.peak_loop(10, 0, dtype)
 
 
 def test_shape_workloads_are_named_by_what_they_run(tmp_path):

@@ -5,8 +5,10 @@ drifting clocks and background load hit all of them alike), and reports the medi
 as GFLOP/s (4·B·H·Lq·Lk·D for the forward; when causal, top-left aligned in every
 implementation, the share of pairs it allows, half for Lq = Lk; 2.5x for the backward)
 or, for decoding, as GB/s of K/V read, beside a plain read of as many bytes (torch's sum)
-timed in the same rounds, so the share of the memory's bandwidth compares like with like;
-the ratio to torch's own `scaled_dot_product_attention`; and the peak memory a call added
+timed in the same rounds, so the share of the memory's bandwidth compares like with like
+(and the other workloads beside as many FLOPs of the native kernel's independent
+multiply-adds, the arithmetic's own rate); the ratio to torch's own
+`scaled_dot_product_attention`; and the peak memory a call added
 (resident set, Linux). Each implementation's first output is checked against float64 on
 sampled query rows (the output, or dq with the backward) under the tolerance rule, and a row
 that breaks it is marked: a fast wrong answer is not a result (and a qkv one makes the
@@ -80,6 +82,7 @@ class Result:
     unit: str
     ratio_to_torch: float | None = None
     share_of_read: float | None = None  # decoding: rate / the plain read's rate in the same rounds
+    share_of_peak: float | None = None  # the others: rate / the arithmetic peak's rate in the same rounds
     peak_mib: float | None = None
     error: str | None = None
     check: str | None = None  # "ok", or how far the first output was from float64 and the bound
@@ -130,6 +133,8 @@ def implementations(w: Workload, peers: bool = True) -> dict:
     impls["torch sdpa"] = _torch_sdpa_impl(w)
     if w.decoding:
         impls[MEMORY_READ] = _memory_read_impl(w)
+    elif _peak_dtype(w):
+        impls[ARITHMETIC_PEAK] = _arithmetic_peak_impl(w)
     if peers and not w.decoding and importlib.util.find_spec("torch.nn.attention.flex_attention"):
         impls["torch flex (compiled)"] = _flex_impl(w)
     return impls
@@ -229,6 +234,40 @@ def _memory_read_impl(w):
 
         x = torch.ones(int(w.bytes_read()) // 4, device=w.device)
         return lambda: x.sum()
+    return setup
+
+
+#: The compute workloads' yardstick: as many FLOPs of independent multiply-adds on the native
+#: kernel's threads, in the arithmetic its products use.
+ARITHMETIC_PEAK = "arithmetic peak (native loop)"
+
+#: Rows that are yardsticks, not attention: no output to check, no ratio to torch.
+YARDSTICKS = (MEMORY_READ, ARITHMETIC_PEAK)
+
+
+def _peak_dtype(w: Workload) -> str | None:
+    """The arithmetic of the native kernel's products in a compute workload: 'float32' for FMAs
+    (float32 inputs, bfloat16 ones widened where the CPU has no bfloat16 dot products, and every
+    backward, which multiplies in float32), 'bfloat16' for a bfloat16 forward on VDPBF16PS pairs;
+    None where the kernel does not run the workload here, or multiplies on AMX tiles, which
+    this loop does not measure."""
+    from .backends import native
+
+    backend = dispatch.REGISTRY["native"]
+    if w.device != "cpu" or w.decoding or backend.missing() or w.dtype not in backend.caps.dtypes:
+        return None
+    isa = native._native.isa()
+    if w.dtype == "bfloat16" and not w.backward and isa in ("avx512bf16", "amx"):
+        return "bfloat16" if isa == "avx512bf16" else None
+    return None if isa == "amx" and backend.float32_on_amx else "float32"
+
+
+def _arithmetic_peak_impl(w):
+    def setup():
+        from .backends import native
+
+        threads, dtype, flops = dispatch.REGISTRY["native"].call_threads(), _peak_dtype(w), int(w.flops())
+        return lambda: native._native.peak_loop(flops, threads, dtype)
     return setup
 
 
@@ -364,7 +403,7 @@ def measure_workload(w: Workload, repeats: int, peers: bool, progress=None) -> l
         except Exception as error:  # a peer that does not run here is reported, not fatal
             results[name] = error
         else:
-            checks[name] = None if name == MEMORY_READ else check(first)
+            checks[name] = None if name in YARDSTICKS else check(first)
             del first
         if progress:
             progress()
@@ -394,11 +433,14 @@ def measure_workload(w: Workload, repeats: int, peers: bool, progress=None) -> l
                            check=checks[name], times=times))
     torch_time = next((r.seconds for r in rows if r.impl == baseline(w.device) and r.seconds), None)
     read_rate = next((r.rate for r in rows if r.impl == MEMORY_READ and r.rate), None)
+    peak_rate = next((r.rate for r in rows if r.impl == ARITHMETIC_PEAK and r.rate), None)
     for r in rows:
-        if r.seconds and torch_time and r.impl != MEMORY_READ:
+        if r.seconds and torch_time and r.impl not in YARDSTICKS:
             r.ratio_to_torch = torch_time / r.seconds
         if r.rate and read_rate and r.unit == "GB/s":
             r.share_of_read = r.rate / read_rate
+        if r.rate and peak_rate and r.unit == "GFLOP/s":
+            r.share_of_peak = r.rate / peak_rate
     return rows
 
 
@@ -596,7 +638,8 @@ def _table(results: list[Result], date: str, base: str):
         if r.error:
             table.add_row(r.workload, r.impl, "-", "-", "-", "-", "-", style="dim")
             continue
-        share = f" ({100 * r.share_of_read:.0f}%)" if r.share_of_read and r.impl != MEMORY_READ else ""
+        share = r.share_of_read or r.share_of_peak
+        share = f" ({100 * share:.0f}%)" if share and r.impl not in YARDSTICKS else ""
         table.add_row(r.workload, r.impl, f"{r.seconds * 1e3:.1f}", f"{r.rate:.1f} {r.unit}{share}",
                       f"{r.ratio_to_torch:.2f}x" if r.ratio_to_torch else "-",
                       f"{r.peak_mib:.1f}" if r.peak_mib is not None else "-",
@@ -613,6 +656,12 @@ def _notes(results: list[Result], workloads: list[Workload]) -> list[str]:
     if any(r.impl == MEMORY_READ and r.rate for r in results):
         notes.append(f"decoding: (n%) is the share of the '{MEMORY_READ}' row's rate, a sum over as many bytes "
                      "as K and V hold, timed in the same rounds (medians of both)")
+    if any(r.impl == ARITHMETIC_PEAK and r.rate for r in results):
+        threads = dispatch.REGISTRY["native"].call_threads()
+        notes.append(f"compute: (n%) is the share of the '{ARITHMETIC_PEAK}' row's rate, as many FLOPs of "
+                     f"independent multiply-adds on the native kernel's {threads} thread{'s' * (threads != 1)} "
+                     "(float32 FMAs; bfloat16 pair dot products where a bfloat16 forward's products use them), "
+                     "timed in the same rounds (medians of both)")
     if any(r.check for r in results):
         notes.append(f"output: each result checked against float64 on {CHECKED_ROWS} query rows per head (the "
                      "output, or dq with the backward), under the tolerance rule")
