@@ -1840,8 +1840,8 @@ void backward(const Backward& bw) {
 
 // ---- the arithmetic's own rate -------------------------------------------------------------
 // What the vector units do with no memory in the way: the yardstick `qkv bench` sets its compute
-// workloads against. Each item runs passes of one multiply-add on each of ACC independent
-// accumulators (no loads, and no multiply-add waits on another within a pass).
+// workloads against. Each item runs passes of one multiply-add on each of PEAK_ACCUMULATORS
+// independent accumulators (no loads, and no multiply-add waits on another within a pass).
 namespace {
 
 constexpr int PEAK_ACCUMULATORS = Vec::REGISTERS >= 32 ? 24 : 12;
