@@ -172,61 +172,35 @@ Problem make_problem(const Any& q, const Any& k, const Any& v, float scale, int 
   return p;
 }
 
-void run_forward(const Forward& f) {
-  switch (isa()) {  // only the variants built (QKV_BUILT_*: x86 only)
-#if defined(QKV_BUILT_AMX)
-    case Isa::Amx: isa_amx::forward(f); break;
-#endif
-#if defined(QKV_BUILT_AVX512BF16)
-    case Isa::Avx512Bf16: isa_avx512bf16::forward(f); break;
-#endif
-#if defined(QKV_BUILT_AVX512)
-    case Isa::Avx512: isa_avx512::forward(f); break;
-#endif
-#if defined(QKV_BUILT_AVX2)
-    case Isa::Avx2: isa_avx2::forward(f); break;
-#endif
-    default: isa_generic::forward(f); break;
-  }
-}
+// The kernel's entry points in the instruction set chosen here (one namespace per variant).
+struct Kernel {
+  void (*forward)(const Forward&);
+  void (*backward)(const Backward&);
+  // FLOPs of a loop of independent multiply-adds (`flops`, rounded up to whole passes, on
+  // `threads` threads); 0 where the variant has no bfloat16 pair products
+  double (*peak_loop)(int64_t flops, int threads, bool pairs);
+};
+#define QKV_KERNEL(ns) Kernel{ns::forward, ns::backward, ns::peak_loop}
 
-void run_backward(const Backward& b) {
-  switch (isa()) {  // only the variants built (QKV_BUILT_*: x86 only)
+const Kernel& kernel() {
+  static const Kernel chosen = [] {
+    switch (isa()) {  // only the variants built (QKV_BUILT_*: x86 only)
 #if defined(QKV_BUILT_AMX)
-    case Isa::Amx: isa_amx::backward(b); break;
+      case Isa::Amx: return QKV_KERNEL(isa_amx);
 #endif
 #if defined(QKV_BUILT_AVX512BF16)
-    case Isa::Avx512Bf16: isa_avx512bf16::backward(b); break;
+      case Isa::Avx512Bf16: return QKV_KERNEL(isa_avx512bf16);
 #endif
 #if defined(QKV_BUILT_AVX512)
-    case Isa::Avx512: isa_avx512::backward(b); break;
+      case Isa::Avx512: return QKV_KERNEL(isa_avx512);
 #endif
 #if defined(QKV_BUILT_AVX2)
-    case Isa::Avx2: isa_avx2::backward(b); break;
+      case Isa::Avx2: return QKV_KERNEL(isa_avx2);
 #endif
-    default: isa_generic::backward(b); break;
-  }
-}
-
-// The FLOPs of a loop of independent multiply-adds (`flops`, rounded up to whole passes, on
-// `threads` threads) in the instruction set the kernel runs with; 0 where it has no bfloat16
-// pair products.
-double run_peak_loop(int64_t flops, int threads, bool pairs) {
-  switch (isa()) {  // only the variants built (QKV_BUILT_*: x86 only)
-#if defined(QKV_BUILT_AMX)
-    case Isa::Amx: return isa_amx::peak_loop(flops, threads, pairs);
-#endif
-#if defined(QKV_BUILT_AVX512BF16)
-    case Isa::Avx512Bf16: return isa_avx512bf16::peak_loop(flops, threads, pairs);
-#endif
-#if defined(QKV_BUILT_AVX512)
-    case Isa::Avx512: return isa_avx512::peak_loop(flops, threads, pairs);
-#endif
-#if defined(QKV_BUILT_AVX2)
-    case Isa::Avx2: return isa_avx2::peak_loop(flops, threads, pairs);
-#endif
-    default: return isa_generic::peak_loop(flops, threads, pairs);
-  }
+      default: return QKV_KERNEL(isa_generic);
+    }
+  }();
+  return chosen;
 }
 
 }  // namespace
@@ -246,7 +220,7 @@ NB_MODULE(_native, m) {
         if (dtype != "float32" && dtype != "bfloat16")
           throw std::invalid_argument("peak_loop's dtype is 'float32' or 'bfloat16', got '" + dtype + "'");
         nb::gil_scoped_release unlocked;
-        return run_peak_loop(flops, threads, dtype == "bfloat16");
+        return kernel().peak_loop(flops, threads, dtype == "bfloat16");
       },
       nb::arg("flops"), nb::arg("threads"), nb::arg("dtype") = "float32",
       "Runs `flops` FLOPs (rounded up to a whole pass over its accumulators) of independent multiply-adds on "
@@ -267,7 +241,7 @@ NB_MODULE(_native, m) {
                   float32_on_amx, written_dtype({&out}, p.dtype, "out")};
         if (lse_lo && lse) f.lse_lo = lse_lo->data();
         nb::gil_scoped_release unlocked;
-        run_forward(f);
+        kernel().forward(f);
       },
       nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse").none(), nb::arg("scale"),
       nb::arg("block_q"), nb::arg("block_k"), nb::arg("threads"), nb::arg("tile_class").none(),
@@ -291,7 +265,7 @@ NB_MODULE(_native, m) {
                    dq.data(), dk.data(), dv.data(),
                    written_dtype({&dq, &dk, &dv}, p.dtype, "dq, dk and dv")};
         nb::gil_scoped_release unlocked;
-        run_backward(b);
+        kernel().backward(b);
       },
       nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("dout"), nb::arg("lse"), nb::arg("delta"), nb::arg("dq"),
       nb::arg("dk"), nb::arg("dv"), nb::arg("scale"), nb::arg("block_q"), nb::arg("block_k"), nb::arg("threads"),

@@ -133,8 +133,8 @@ def implementations(w: Workload, peers: bool = True) -> dict:
     impls["torch sdpa"] = _torch_sdpa_impl(w)
     if w.decoding:
         impls[MEMORY_READ] = _memory_read_impl(w)
-    elif _peak_dtype(w):
-        impls[ARITHMETIC_PEAK] = _arithmetic_peak_impl(w)
+    elif peak_dtype := _peak_dtype(w):
+        impls[ARITHMETIC_PEAK] = _arithmetic_peak_impl(w, peak_dtype)
     if peers and not w.decoding and importlib.util.find_spec("torch.nn.attention.flex_attention"):
         impls["torch flex (compiled)"] = _flex_impl(w)
     return impls
@@ -262,11 +262,11 @@ def _peak_dtype(w: Workload) -> str | None:
     return None if isa == "amx" and backend.float32_on_amx else "float32"
 
 
-def _arithmetic_peak_impl(w):
+def _arithmetic_peak_impl(w, dtype: str):
     def setup():
         from .backends import native
 
-        threads, dtype, flops = dispatch.REGISTRY["native"].call_threads(), _peak_dtype(w), int(w.flops())
+        threads, flops = dispatch.REGISTRY["native"].call_threads(), int(w.flops())
         return lambda: native._native.peak_loop(flops, threads, dtype)
     return setup
 
