@@ -213,6 +213,11 @@ NB_MODULE(_native, m) {
   m.def("threading", &qkv::threading_name,
         "Whose threads the kernel runs on here: 'openmp' (the process's OpenMP threads, which torch's "
         "own operations share) or 'own pool'.");
+  m.def("kept_bytes", &qkv::kept_block_bytes,
+        "Bytes of the block the kernel keeps between calls for their large scratch (the backward's packed "
+        "operands), so that its pages are not faulted in again on every call; 0 when none is kept.");
+  m.def("release_kept", &qkv::release_kept_block,
+        "Frees the block the kernel keeps between calls; False (nothing freed) while a call holds it.");
   m.def(
       "peak_loop",
       [](int64_t flops, int threads, const std::string& dtype) {

@@ -29,7 +29,8 @@ using qkv::Strided4;
 constexpr float NEG_INF = -INFINITY;
 constexpr int W = Vec::W;
 
-inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
+template <class T>
+inline T round_up(T x, T m) { return (x + m - 1) / m * m; }
 inline int imin(int a, int b) { return a < b ? a : b; }
 inline int imax(int a, int b) { return a > b ? a : b; }
 inline int cdiv(int a, int b) { return (a + b - 1) / b; }
@@ -93,6 +94,28 @@ struct Buffer {
   }
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
+};
+
+// Float scratch of a whole call, too large for a thread's scratch stack (the backward's packed
+// operands), taken by the calling thread: the process's kept block (workspace.cc) where no
+// other call holds it, else malloc.
+struct Workspace {
+  float* p = nullptr;
+  void* raw = nullptr;  // malloc'd, or nullptr when p is the kept block (or n = 0)
+  explicit Workspace(int64_t n) {
+    if (n <= 0) return;
+    if (void* kept = qkv::take_kept_block(size_t(n) * 4)) {
+      p = static_cast<float*>(kept);
+      return;
+    }
+    raw = malloc(size_t(n) * 4 + 64), p = reinterpret_cast<float*>(aligned_in(raw));
+  }
+  ~Workspace() {
+    if (raw) free(raw);
+    else if (p) qkv::give_back_kept_block();
+  }
+  Workspace(const Workspace&) = delete;
+  Workspace& operator=(const Workspace&) = delete;
 };
 
 inline void fill(float* p, int64_t n, float x) {
@@ -1568,7 +1591,7 @@ void forward(const Forward& f) {
   PackedTiles values{p, p.v, true, plan.dv_rows, keys_pad, plan.nk, plan.parts};
   PackedTiles keys{p, p.k, false, keys_pad, round_up(p.D, 32), plan.nk, plan.parts};
   const int64_t value_words = pairs ? values.elements() : 0, key_words = float_on_amx ? keys.elements() : 0;
-  Buffer packed((value_words + key_words + 1) / 2);
+  Workspace packed((value_words + key_words + 1) / 2);
   if (pairs) {
     values.data = reinterpret_cast<uint16_t*>(packed.p), plan.values = &values;
     qkv::parallel_for(key_tiles, threads, pack_tile_item, &values);
@@ -1614,6 +1637,9 @@ struct BackwardPlan {
   int ldk() const { return key_tile_ld(bkp); }
   // per (row, key tile): Kᵀ (Dp x bkp, rows ldk apart), Vᵀ (Dvp x bkp, the same), K (bkp x Dp)
   float *Kt, *Vt, *K;
+  // per (row, query tile), where a row's thread computes each pair once: dQ (n_max x Dp),
+  // summed over the row's key tiles
+  float* row_dq;
   int64_t q_tile(int r, int t) const { return int64_t(r) * nq + t; }
   int64_t k_tile(int r, int j) const { return int64_t(r) * nk + j; }
 };
@@ -1799,15 +1825,16 @@ void row_item(void* ctx, int64_t r64) {
   const int r = int(r64);
   PairScratch w(plan);
   const int64_t dq_tile = int64_t(plan.n_max) * plan.Dp;
-  Buffer dQ(plan.nq * dq_tile), dK(int64_t(plan.bkp) * plan.Dp), dV(int64_t(plan.bkp) * plan.Dvp);
-  fill(dQ.p, plan.nq * dq_tile, 0.f);
+  float* dQ = plan.row_dq + plan.q_tile(r, 0) * dq_tile;  // the row's nq tiles
+  Buffer dK(int64_t(plan.bkp) * plan.Dp), dV(int64_t(plan.bkp) * plan.Dvp);
+  fill(dQ, plan.nq * dq_tile, 0.f);
   for (int j = 0; j < plan.nk; ++j) {
     fill(dK.p, int64_t(plan.bkp) * plan.Dp, 0.f), fill(dV.p, int64_t(plan.bkp) * plan.Dvp, 0.f);
     for (int t = 0; t < plan.nq; ++t)
-      if (tile_class(plan.bw.p, r, t, j) != qkv::EMPTY) accumulate_pair(plan, r, t, j, w, dQ.p + t * dq_tile, dK.p, dV.p);
+      if (tile_class(plan.bw.p, r, t, j) != qkv::EMPTY) accumulate_pair(plan, r, t, j, w, dQ + t * dq_tile, dK.p, dV.p);
     store_dkdv(plan, r, j, dK.p, dV.p);
   }
-  for (int t = 0; t < plan.nq; ++t) store_dq(plan, r, t, dQ.p + t * dq_tile);
+  for (int t = 0; t < plan.nq; ++t) store_dq(plan, r, t, dQ + t * dq_tile);
 }
 
 }  // namespace
@@ -1820,17 +1847,21 @@ void backward(const Backward& bw) {
                     round_up(p.block_k, W), G * p.block_q, decoding_forward(p)};
   const int64_t rows = int64_t(p.B) * p.Hkv, q_tiles = rows * plan.nq, k_tiles = rows * plan.nk;
   const int q_planes = plan.pairs() ? 2 : 1;  // Q, and Q in pair order
-  Buffer q_side(q_tiles * plan.n_max * (q_planes * plan.Dp + plan.Dvp + 3));
-  Buffer k_side(k_tiles * (plan.ldk() * (plan.Dp + plan.Dvp) + plan.bkp * plan.Dp));
-  plan.Q = q_side.p, plan.dO = plan.Q + q_tiles * plan.n_max * plan.Dp;
+  const bool by_rows = rows >= 4;  // enough rows to share out: each pair once (a shape rule, so threads never change results)
+  // 64-byte aligned parts of one workspace: the query side, the key side, each row's dQ
+  const int64_t q_side = round_up<int64_t>(q_tiles * plan.n_max * (q_planes * plan.Dp + plan.Dvp + 3), W);
+  const int64_t k_side = round_up<int64_t>(k_tiles * (plan.ldk() * (plan.Dp + plan.Dvp) + plan.bkp * plan.Dp), W);
+  Workspace space(q_side + k_side + (by_rows ? q_tiles * plan.n_max * plan.Dp : 0));
+  plan.Q = space.p, plan.dO = plan.Q + q_tiles * plan.n_max * plan.Dp;
   plan.lse = plan.dO + q_tiles * plan.n_max * plan.Dvp, plan.lse_lo = plan.lse + q_tiles * plan.n_max;
   plan.delta = plan.lse_lo + q_tiles * plan.n_max;
   plan.Q_pairs = plan.delta + q_tiles * plan.n_max;
-  plan.Kt = k_side.p, plan.Vt = plan.Kt + k_tiles * plan.Dp * plan.ldk();
+  plan.Kt = space.p + q_side, plan.Vt = plan.Kt + k_tiles * plan.Dp * plan.ldk();
   plan.K = plan.Vt + k_tiles * plan.Dvp * plan.ldk();
+  plan.row_dq = by_rows ? plan.Kt + k_side : nullptr;
   qkv::parallel_for(q_tiles, threads, pack_query_item, &plan);
   qkv::parallel_for(k_tiles, threads, pack_key_item, &plan);
-  if (rows >= 4) {  // enough rows to share out: each pair once (a shape rule, so threads never change results)
+  if (by_rows) {
     qkv::parallel_for(rows, threads, row_item, &plan);
   } else {
     qkv::parallel_for(q_tiles, threads, dq_item, &plan);

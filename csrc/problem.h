@@ -5,6 +5,7 @@
 // a query tile of a row stacks those G heads: (G * block_q) x D. Plain C structs only:
 // the ISA translation units must not share inline C++ library code (see kernel.h).
 #pragma once
+#include <cstddef>
 #include <cstdint>
 
 namespace qkv {
@@ -90,5 +91,16 @@ QKV_DECLARE_ISA(isa_generic)
 void parallel_for(int64_t n, int threads, void (*fn)(void*, int64_t), void* ctx);
 // "openmp" or "own pool": whose threads parallel_for runs on in this process.
 const char* threading_name();
+
+// Scratch of one call too large for a thread's scratch stack (the backward's packed operands)
+// comes from one block the process keeps between calls (workspace.cc), held by one call at a
+// time: 64-byte aligned, at least `bytes`; null where another call holds it, bytes exceed
+// KEPT_BLOCK_MAX or memory runs out (the caller then takes memory of its own).
+constexpr size_t KEPT_BLOCK_MAX = size_t(256) << 20;
+void* take_kept_block(size_t bytes);
+void give_back_kept_block();
+size_t kept_block_bytes();
+// Frees the kept block; false (nothing freed) while a call holds it.
+bool release_kept_block();
 
 }  // namespace qkv

@@ -36,17 +36,21 @@ def _inputs(shape, dtype=torch.float32, seed=0, grad=False):
     return make(B, Hq, Lq, D), make(B, Hkv, Lk, D), make(B, Hkv, Lk, Dv)
 
 
+def _outputs_and_grads(q, k, v, mask):
+    out, lse = qkv.attention(q, k, v, mask, backend="native", return_lse=True)
+    grads = ()
+    if q.requires_grad:
+        (out.float() * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+        grads = tuple(x.grad.clone() for x in (q, k, v))
+        for x in (q, k, v):
+            x.grad = None
+    return (out.detach(), lse.detach()) + grads
+
+
 def _run(q, k, v, mask, threads):
     native.num_threads = threads
     try:
-        out, lse = qkv.attention(q, k, v, mask, backend="native", return_lse=True)
-        grads = ()
-        if q.requires_grad:
-            (out.float() * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
-            grads = tuple(x.grad.clone() for x in (q, k, v))
-            for x in (q, k, v):
-                x.grad = None
-        return (out.detach(), lse.detach()) + grads
+        return _outputs_and_grads(q, k, v, mask)
     finally:
         native.num_threads = default_threads()
 
@@ -133,6 +137,50 @@ def test_results_do_not_depend_on_earlier_calls():
     forward, backward = run_all(calls), run_all(calls[::-1])
     for c in calls:
         assert all(torch.equal(a, b) for a, b in zip(forward[c], backward[c])), c
+
+
+def test_the_backwards_scratch_is_kept_between_calls_and_released_on_request():
+    """The backward's packed operands (more than a thread's scratch stack) come from one block
+    the process keeps between calls, so that their pages are not faulted in again: its size
+    stays after the call, a release frees it, and the gradients are the same bits from the kept
+    block, from a fresh one, and from malloc while another call holds it (two at once)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from qkv.backends.native import kept_memory_bytes, release_kept_memory
+
+    q, k, v = _inputs((1, 8, 4, 256, 256, 64, 64), grad=True)  # 4 rows: each row's thread sums its dQ
+    # float32 per (row, query tile) of 2 x 64 rows: Q, dO, lse, lse_lo, delta and the row's dQ;
+    # per (row, key tile of 128): Kᵀ and Vᵀ, 64 rows 160 floats apart, and K
+    needed = 4 * (4 * 4 * 128 * (64 + 64 + 3 + 64) + 4 * 2 * (64 * 160 * 2 + 128 * 64))
+    assert release_kept_memory() and kept_memory_bytes() == 0
+    fresh = _run(q, k, v, qkv.causal(), threads=2)
+    assert needed <= kept_memory_bytes() <= needed + 64
+    kept = _run(q, k, v, qkv.causal(), threads=2)
+    assert release_kept_memory() and kept_memory_bytes() == 0
+    with ThreadPoolExecutor(2) as pool:  # the GIL is let go during the kernel's calls
+        both = list(pool.map(lambda inputs: _outputs_and_grads(*inputs, qkv.causal()),
+                             [_inputs((1, 8, 4, 256, 256, 64, 64), grad=True) for _ in range(2)]))
+    for a, b, c, d in zip(fresh, kept, *both):
+        assert torch.equal(a, b) and torch.equal(b, c) and torch.equal(c, d)
+    check_gradients("native", (q, k, v), {"mask": qkv.causal()}, np.random.default_rng(0))
+
+
+def test_measured_peak_memory_counts_the_kept_block(monkeypatch):
+    """qkv bench's peak memory frees the kept block before the measured call, so the block
+    counts as that call's growth; left kept, it was resident already and counted nothing."""
+    from qkv import _memory
+    from qkv.backends import native as native_module
+
+    q, k, v = _inputs((1, 8, 8, 2048, 2048, 64, 64), grad=True)
+    call = lambda: _run(q, k, v, None, threads=2)  # noqa: E731
+    call()
+    kept = native_module.kept_memory_bytes()
+    _, released, how = _memory.peak_growth(call)
+    if how != "peak resident set":
+        pytest.skip("needs Linux's peak counters (native memory is not traced)")
+    monkeypatch.setattr(native_module, "release_kept_memory", lambda: False)
+    _, not_released, _ = _memory.peak_growth(call)
+    assert kept > 16 * 2**20 and released - not_released >= kept / 2, (kept, released, not_released)
 
 
 @pytest.mark.parametrize("shape", ["decode", "odd"])

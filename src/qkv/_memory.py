@@ -3,6 +3,7 @@ allocations alike): Linux's peak resident set, reset before the call."""
 from __future__ import annotations
 
 import ctypes
+import sys
 import tracemalloc
 
 
@@ -18,7 +19,11 @@ def _status_kib(field: str) -> int | None:
 
 
 def _release_free_memory() -> None:
-    """Hand freed heap pages back to the system (glibc), so reused pages count as growth."""
+    """Hand freed heap pages back to the system (glibc), and the block the native kernel keeps
+    between calls, so reused pages count as growth."""
+    native = sys.modules.get("qkv.backends.native")
+    if native is not None:
+        native.release_kept_memory()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):

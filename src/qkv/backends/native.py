@@ -107,6 +107,20 @@ def default_threads() -> int:
     return available_cpus()
 
 
+def kept_memory_bytes() -> int:
+    """Bytes of the block the kernel keeps between calls for a call's large scratch (the
+    backward's packed operands: 52 MiB for 8 heads of 4096 x 64), so that repeated calls do not
+    fault its pages in again; it grows to the largest such scratch up to 256 MiB (larger ones
+    come from malloc and go back after the call). 0 where none is kept or there is no kernel."""
+    return _native.kept_bytes() if _native is not None else 0
+
+
+def release_kept_memory() -> bool:
+    """Free the kernel's kept block (kept_memory_bytes); the next call that needs it allocates
+    it again. False (nothing freed) while a call holds it, or where there is no kernel."""
+    return _native.release_kept() if _native is not None else False
+
+
 def in_data_loader_worker() -> bool:
     """Whether this process is a worker of a torch DataLoader (which sets torch's threads to 1
     there, so that the workers do not fight over the CPUs)."""
