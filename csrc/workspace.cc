@@ -6,6 +6,8 @@
 //
 // Under AddressSanitizer the block's bytes past a call's request, and the whole block between
 // calls, are poisoned, so an overrun is caught as one past malloc's block would be.
+#include <pthread.h>
+
 #include <cstdint>
 #include <cstdlib>
 #include <mutex>
@@ -27,6 +29,11 @@ void* kept_raw = nullptr;  // from malloc; the block starts at its first 64-byte
 char* kept = nullptr;
 size_t kept_size = 0;
 bool kept_lent = false;
+
+// fork() takes the mutex first: a child forked while another thread held it would wait on
+// it forever. (A block lent to a thread the child lacks stays lent there: its calls use malloc.)
+const int fork_handlers = pthread_atfork([] { kept_mutex.lock(); }, [] { kept_mutex.unlock(); },
+                                         [] { kept_mutex.unlock(); });
 
 void free_kept() {
   ASAN_UNPOISON_MEMORY_REGION(kept, kept_size);

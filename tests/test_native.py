@@ -438,6 +438,34 @@ print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
     assert out.split() == ["0"]
 
 
+def test_a_child_forked_while_another_thread_holds_the_kept_block_runs_the_backward():
+    """fork() while a backward on another thread holds the kept scratch block: in the child the
+    block stays held by a thread it lacks, so the child's backward takes memory from malloc,
+    and gets the parent's bits. (fork() also takes the block's lock first, so a child is never
+    forked holding it; that window is too short for a test to hit.)"""
+    out = _run_script("""import os, signal, threading, time, torch, qkv
+from qkv.backends.native import release_kept_memory
+def grads(L):
+    q, k, v = (torch.randn(1, 8, L, 64, generator=torch.Generator().manual_seed(i), requires_grad=True) for i in range(3))
+    qkv.attention(q, k, v, backend="native").sum().backward()
+    return torch.cat([q.grad, k.grad, v.grad])
+want = grads(256)
+busy = threading.Thread(target=grads, args=(4096,))
+busy.start()
+while release_kept_memory() and busy.is_alive():  # True: nobody holds the block yet
+    time.sleep(0.002)
+held = busy.is_alive()
+pid = os.fork()
+if pid == 0:
+    signal.alarm(60)  # a hung child ends, failing the test
+    torch.set_num_threads(1)  # torch's own operations would wait on OpenMP threads the child lacks
+    os._exit(0 if torch.equal(grads(256), want) else 3)
+busy.join()
+print(held, os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+""")
+    assert out.split() == ["True", "0"]
+
+
 class _ThreadsAroundACall:
     """A dataset of one item: the threads of the process before and after a native call, and its output."""
 
