@@ -1637,9 +1637,13 @@ struct BackwardPlan {
   int ldk() const { return key_tile_ld(bkp); }
   // per (row, key tile): Kᵀ (Dp x bkp, rows ldk apart), Vᵀ (Dvp x bkp, the same), K (bkp x Dp)
   float *Kt, *Vt, *K;
-  // per (row, query tile), where a row's thread computes each pair once: dQ (n_max x Dp),
-  // summed over the row's key tiles
+  // where a row's thread computes each pair once: a row's dQ (nq tiles of n_max x Dp, summed
+  // over its key tiles) in one of `row_dq_slots` slots, one per thread of the call, claimed by
+  // a row for its run (row_dq_taken[slot] != 0)
   float* row_dq;
+  int* row_dq_taken;
+  int row_dq_slots;
+  int64_t row_dq_floats() const { return int64_t(nq) * n_max * Dp; }
   int64_t q_tile(int r, int t) const { return int64_t(r) * nq + t; }
   int64_t k_tile(int r, int j) const { return int64_t(r) * nk + j; }
 };
@@ -1825,9 +1829,11 @@ void row_item(void* ctx, int64_t r64) {
   const int r = int(r64);
   PairScratch w(plan);
   const int64_t dq_tile = int64_t(plan.n_max) * plan.Dp;
-  float* dQ = plan.row_dq + plan.q_tile(r, 0) * dq_tile;  // the row's nq tiles
+  int slot = 0;  // a free one exists: no more rows run at once than there are threads
+  while (__atomic_exchange_n(plan.row_dq_taken + slot, 1, __ATOMIC_ACQUIRE)) slot = (slot + 1) % plan.row_dq_slots;
+  float* dQ = plan.row_dq + slot * plan.row_dq_floats();
   Buffer dK(int64_t(plan.bkp) * plan.Dp), dV(int64_t(plan.bkp) * plan.Dvp);
-  fill(dQ, plan.nq * dq_tile, 0.f);
+  fill(dQ, plan.row_dq_floats(), 0.f);
   for (int j = 0; j < plan.nk; ++j) {
     fill(dK.p, int64_t(plan.bkp) * plan.Dp, 0.f), fill(dV.p, int64_t(plan.bkp) * plan.Dvp, 0.f);
     for (int t = 0; t < plan.nq; ++t)
@@ -1835,6 +1841,7 @@ void row_item(void* ctx, int64_t r64) {
     store_dkdv(plan, r, j, dK.p, dV.p);
   }
   for (int t = 0; t < plan.nq; ++t) store_dq(plan, r, t, dQ + t * dq_tile);
+  __atomic_store_n(plan.row_dq_taken + slot, 0, __ATOMIC_RELEASE);
 }
 
 }  // namespace
@@ -1848,17 +1855,21 @@ void backward(const Backward& bw) {
   const int64_t rows = int64_t(p.B) * p.Hkv, q_tiles = rows * plan.nq, k_tiles = rows * plan.nk;
   const int q_planes = plan.pairs() ? 2 : 1;  // Q, and Q in pair order
   const bool by_rows = rows >= 4;  // enough rows to share out: each pair once (a shape rule, so threads never change results)
-  // 64-byte aligned parts of one workspace: the query side, the key side, each row's dQ
+  plan.row_dq_slots = !by_rows ? 0 : rows < threads ? int(rows) : threads;  // at most that many rows at once
+  // 64-byte aligned parts of one workspace: the query side, the key side, the rows' dQ slots
+  // and their flags
   const int64_t q_side = round_up<int64_t>(q_tiles * plan.n_max * (q_planes * plan.Dp + plan.Dvp + 3), W);
   const int64_t k_side = round_up<int64_t>(k_tiles * (plan.ldk() * (plan.Dp + plan.Dvp) + plan.bkp * plan.Dp), W);
-  Workspace space(q_side + k_side + (by_rows ? q_tiles * plan.n_max * plan.Dp : 0));
+  Workspace space(q_side + k_side + plan.row_dq_slots * (plan.row_dq_floats() + 1));
   plan.Q = space.p, plan.dO = plan.Q + q_tiles * plan.n_max * plan.Dp;
   plan.lse = plan.dO + q_tiles * plan.n_max * plan.Dvp, plan.lse_lo = plan.lse + q_tiles * plan.n_max;
   plan.delta = plan.lse_lo + q_tiles * plan.n_max;
   plan.Q_pairs = plan.delta + q_tiles * plan.n_max;
   plan.Kt = space.p + q_side, plan.Vt = plan.Kt + k_tiles * plan.Dp * plan.ldk();
   plan.K = plan.Vt + k_tiles * plan.Dvp * plan.ldk();
-  plan.row_dq = by_rows ? plan.Kt + k_side : nullptr;
+  plan.row_dq = plan.Kt + k_side;
+  plan.row_dq_taken = reinterpret_cast<int*>(plan.row_dq + plan.row_dq_slots * plan.row_dq_floats());
+  for (int slot = 0; slot < plan.row_dq_slots; ++slot) plan.row_dq_taken[slot] = 0;
   qkv::parallel_for(q_tiles, threads, pack_query_item, &plan);
   qkv::parallel_for(k_tiles, threads, pack_key_item, &plan);
   if (by_rows) {

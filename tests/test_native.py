@@ -149,9 +149,9 @@ def test_the_backwards_scratch_is_kept_between_calls_and_released_on_request():
     from qkv.backends.native import kept_memory_bytes, release_kept_memory
 
     q, k, v = _inputs((1, 8, 4, 256, 256, 64, 64), grad=True)  # 4 rows: each row's thread sums its dQ
-    # float32 per (row, query tile) of 2 x 64 rows: Q, dO, lse, lse_lo, delta and the row's dQ;
-    # per (row, key tile of 128): Kᵀ and Vᵀ, 64 rows 160 floats apart, and K
-    needed = 4 * (4 * 4 * 128 * (64 + 64 + 3 + 64) + 4 * 2 * (64 * 160 * 2 + 128 * 64))
+    # float32 per (row, query tile) of 2 x 64 rows: Q, dO, lse, lse_lo and delta; per (row, key
+    # tile of 128): Kᵀ and Vᵀ, 64 rows 160 floats apart, and K; per thread (2), a row's dQ and a flag
+    needed = 4 * (4 * 4 * 128 * (64 + 64 + 3) + 4 * 2 * (64 * 160 * 2 + 128 * 64) + 2 * (4 * 128 * 64 + 1))
     assert release_kept_memory() and kept_memory_bytes() == 0
     fresh = _run(q, k, v, qkv.causal(), threads=2)
     assert needed <= kept_memory_bytes() <= needed + 64
