@@ -109,7 +109,7 @@ def default_threads() -> int:
 
 def kept_memory_bytes() -> int:
     """Bytes of the block the kernel keeps between calls for a call's large scratch (the
-    backward's packed operands: 52 MiB for 8 heads of 4096 x 64), so that repeated calls do not
+    backward's packed operands: 46 MiB for 8 heads of 4096 x 64), so that repeated calls do not
     fault its pages in again; it grows to the largest such scratch up to 256 MiB (larger ones
     come from malloc and go back after the call). 0 where none is kept or there is no kernel."""
     return _native.kept_bytes() if _native is not None else 0
