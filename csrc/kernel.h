@@ -1614,8 +1614,8 @@ void forward(const Forward& f) {
 }
 
 // ---- backward ------------------------------------------------------------------------------
-// One packing pass first (O(N) float32 copies, in the layouts the products want), so the
-// work items never gather inputs element by element more than once.
+// One packing pass first (O(N) copies, in the layouts the products want), so the work items
+// never gather inputs element by element more than once.
 namespace {
 
 // The leading dimension of the backward's buffers one key tile wide (S, dP, Kᵀ, Vᵀ): bkp
@@ -1626,41 +1626,113 @@ namespace {
 // same: 1.013-1.033x as fast with 32 floats more (16: 1.014-1.027x, 48: 1.009-1.036x).
 inline int key_tile_ld(int bkp) { return bkp % 64 == 0 ? bkp + 32 : bkp; }
 
+// bfloat16 inputs (off the decoding path) on CPUs with VDPBF16PS but no AMX take the five
+// products on bfloat16 pairs, two products per float32 lane and instruction: S = Q·Kᵀ and
+// dP = dO·Vᵀ from the inputs' own bits, then dQ += dS·K, dVᵀ += dOᵀ·P and dKᵀ += Qᵀ·dS with P
+// and dS rounded to bfloat16 (as the forward rounds P for P·V), all summed in float32.
+// Elsewhere the products run on FMAs, in float32.
+#if defined(QKV_AVX512_BF16)
+constexpr bool BACKWARD_ON_BF16_PRODUCTS = true;
+#else
+constexpr bool BACKWARD_ON_BF16_PRODUCTS = false;
+#endif
+
 struct BackwardPlan {
   const Backward& bw;
   int G, nq, nk, Dp, Dvp, bkp, n_max;
   bool decoding;  // the forward ran on the decoding path, which rounds scores its own way
-  // per (row, query tile): Q (n_max x Dp), dO (n_max x Dvp), lse, lse_lo and delta (n_max), and
-  // for bfloat16 on the decoding path Q in pair order (n_max x Dp), as that path reads it
-  float *Q, *dO, *lse, *lse_lo, *delta, *Q_pairs;
-  bool pairs() const { return decoding && bw.p.dtype == qkv::BF16; }
-  int ldk() const { return key_tile_ld(bkp); }
-  // per (row, key tile): Kᵀ (Dp x bkp, rows ldk apart), Vᵀ (Dvp x bkp, the same), K (bkp x Dp)
-  float *Kt, *Vt, *K;
-  // where a row's thread computes each pair once: a row's dQ (nq tiles of n_max x Dp, summed
-  // over its key tiles) in one of `row_dq_slots` slots, one per thread of the call, claimed by
-  // a row for its run (row_dq_taken[slot] != 0)
+  bool bf16_products;  // the products on bfloat16 pairs (above)
+  // bf16_products: query rows (n_max to 4), D and Dv to 4 (pairs along them; rows of dKᵀ, dVᵀ),
+  // dQ's columns (D to 32)
+  int pn, pd, pdv, dq_cols;
+  // per (row, query tile), query_tile_floats() each:
+  //   float32 products: Q (n_max x Dp), dO (n_max x Dvp), and for bfloat16 on the decoding path
+  //   Q in pair order (n_max x Dp), as that path reads it;
+  //   bf16_products, as bfloat16: Q (pn x pd), dO (pn x pdv), Qᵀ (pd x pn), dOᵀ (pdv x pn);
+  // and lse, lse_lo and delta (n_max each)
+  float *query_tiles, *lse, *lse_lo, *delta;
+  // per (row, key tile), key_tile_floats() each:
+  //   float32 products: Kᵀ (Dp x bkp, rows ldk apart), Vᵀ (Dvp x bkp, the same), K (bkp x Dp);
+  //   bf16_products, as bfloat16 VNNI pairs: Kᵀ and Vᵀ of pairs along the head dim
+  //   (pd/2 x bkp x 2, pdv/2 x bkp x 2), K of pairs of keys (bkp/2 x dq_cols x 2)
+  float* key_tiles;
+  // where a row's thread computes each pair once: a row's dQ (nq tiles of dq_tile_floats(),
+  // summed over its key tiles) in one of `row_dq_slots` slots, one per thread of the call,
+  // claimed by a row for its run (row_dq_taken[slot] != 0)
   float* row_dq;
   int* row_dq_taken;
   int row_dq_slots;
-  int64_t row_dq_floats() const { return int64_t(nq) * n_max * Dp; }
+
+  bool pairs() const { return decoding && bw.p.dtype == qkv::BF16; }
+  int ldk() const { return key_tile_ld(bkp); }
+  int64_t query_tile_floats() const {
+    return bf16_products ? int64_t(pn) * (pd + pdv) : int64_t(n_max) * ((pairs() ? 2 : 1) * Dp + Dvp);
+  }
+  int64_t key_tile_floats() const {
+    return bf16_products ? int64_t(bkp) * (pd + pdv + dq_cols) / 2 : int64_t(ldk()) * (Dp + Dvp) + int64_t(bkp) * Dp;
+  }
+  // a query tile's dQ: dq_rows() x dq_ld(); a key tile's dK and dV: bkp x Dp and bkp x Dvp, or
+  // on bfloat16 products their transposes, pd x bkp and pdv x bkp
+  int dq_rows() const { return bf16_products ? pn : n_max; }
+  int dq_ld() const { return bf16_products ? dq_cols : Dp; }
+  int64_t dq_tile_floats() const { return int64_t(dq_rows()) * dq_ld(); }
+  int64_t dk_floats() const { return int64_t(bkp) * (bf16_products ? pd : Dp); }
+  int64_t dv_floats() const { return int64_t(bkp) * (bf16_products ? pdv : Dvp); }
+  int64_t row_dq_floats() const { return nq * dq_tile_floats(); }
   int64_t q_tile(int r, int t) const { return int64_t(r) * nq + t; }
   int64_t k_tile(int r, int j) const { return int64_t(r) * nk + j; }
 };
 
 // A query tile's packed rows.
 struct QueryTile {
-  const float *Q, *dO, *lse, *lse_lo, *delta, *Q_pairs;
+  const float *Q, *dO, *Q_pairs;           // float32 products
+  const uint16_t *Qb, *dOb, *QbT, *dObT;  // bfloat16 products
+  const float *lse, *lse_lo, *delta;
   QueryTile(const BackwardPlan& plan, int r, int t) {
     const int64_t at = plan.q_tile(r, t);
-    Q = plan.Q + at * plan.n_max * plan.Dp;
-    Q_pairs = plan.pairs() ? plan.Q_pairs + at * plan.n_max * plan.Dp : nullptr;
-    dO = plan.dO + at * plan.n_max * plan.Dvp;
+    float* base = plan.query_tiles + at * plan.query_tile_floats();
+    Q = base, dO = Q + int64_t(plan.n_max) * plan.Dp;
+    Q_pairs = plan.pairs() ? dO + int64_t(plan.n_max) * plan.Dvp : nullptr;
+    Qb = reinterpret_cast<const uint16_t*>(base), dOb = Qb + int64_t(plan.pn) * plan.pd;
+    QbT = dOb + int64_t(plan.pn) * plan.pdv, dObT = QbT + int64_t(plan.pd) * plan.pn;
     lse = plan.lse + at * plan.n_max;
     lse_lo = plan.lse_lo + at * plan.n_max;
     delta = plan.delta + at * plan.n_max;
   }
 };
+
+// A key tile's packed operands.
+struct KeyTile {
+  const float *Kt, *Vt, *K;          // float32 products
+  const uint16_t *KbT, *VbT, *Kb;  // bfloat16 products
+  KeyTile(const BackwardPlan& plan, int r, int j) {
+    float* base = plan.key_tiles + plan.k_tile(r, j) * plan.key_tile_floats();
+    Kt = base, Vt = Kt + int64_t(plan.Dp) * plan.ldk(), K = Vt + int64_t(plan.Dvp) * plan.ldk();
+    KbT = reinterpret_cast<const uint16_t*>(base), VbT = KbT + int64_t(plan.pd) * plan.bkp;
+    Kb = VbT + int64_t(plan.pdv) * plan.bkp;
+  }
+};
+
+// Row l of t[b, h] as bfloat16: row[d * step] = t[b, h, l, d] for d < n.
+inline void bf16_row(const Strided4& t, int b, int h, int l, int n, uint16_t* row, int64_t step) {
+  const uint16_t* src = static_cast<const uint16_t*>(t.data) + b * t.s0 + h * t.s1 + int64_t(l) * t.s2;
+  for (int d = 0; d < n; ++d) row[d * step] = src[d * t.s3];
+}
+
+// Q and dO of a query tile as bfloat16 rows and their transposes (zero padded).
+inline void pack_query_bf16(const BackwardPlan& plan, const Tile& tl, const QueryTile& qt) {
+  const Problem& p = plan.bw.p;
+  const int pn = plan.pn, pd = plan.pd, pdv = plan.pdv;
+  memset(const_cast<uint16_t*>(qt.Qb), 0, size_t(plan.query_tile_floats()) * 4);
+  for (int g = 0; g < plan.G; ++g)
+    for (int i = 0; i < tl.rows; ++i) {
+      const int h = tl.kv * plan.G + g, rr = g * tl.rows + i, l = tl.q0 + i;
+      bf16_row(p.q, tl.b, h, l, p.D, const_cast<uint16_t*>(qt.Qb) + int64_t(rr) * pd, 1);
+      bf16_row(p.q, tl.b, h, l, p.D, const_cast<uint16_t*>(qt.QbT) + rr, pn);
+      bf16_row(plan.bw.dout, tl.b, h, l, p.Dv, const_cast<uint16_t*>(qt.dOb) + int64_t(rr) * pdv, 1);
+      bf16_row(plan.bw.dout, tl.b, h, l, p.Dv, const_cast<uint16_t*>(qt.dObT) + rr, pn);
+    }
+}
 
 void pack_query_item(void* ctx, int64_t rt) {
   const BackwardPlan& plan = *static_cast<const BackwardPlan*>(ctx);
@@ -1668,13 +1740,16 @@ void pack_query_item(void* ctx, int64_t rt) {
   const int r = int(rt / plan.nq), t = int(rt % plan.nq);
   Tile tl = make_tile(p, r, t, 0);
   QueryTile qt(plan, r, t);
-  float *Q = const_cast<float*>(qt.Q), *dO = const_cast<float*>(qt.dO);
   float *lse = const_cast<float*>(qt.lse), *lse_lo = const_cast<float*>(qt.lse_lo);
   float* delta = const_cast<float*>(qt.delta);
   for (int g = 0; g < plan.G; ++g) {
     const int h = tl.kv * plan.G + g;
-    load_rows(p.q, p.dtype, tl.b, h, tl.q0, tl.rows, tl.rows, p.D, plan.Dp, Q + int64_t(g) * tl.rows * plan.Dp);
-    load_rows(plan.bw.dout, p.dtype, tl.b, h, tl.q0, tl.rows, tl.rows, p.Dv, plan.Dvp, dO + int64_t(g) * tl.rows * plan.Dvp);
+    if (!plan.bf16_products) {
+      float *Q = const_cast<float*>(qt.Q), *dO = const_cast<float*>(qt.dO);
+      load_rows(p.q, p.dtype, tl.b, h, tl.q0, tl.rows, tl.rows, p.D, plan.Dp, Q + int64_t(g) * tl.rows * plan.Dp);
+      load_rows(plan.bw.dout, p.dtype, tl.b, h, tl.q0, tl.rows, tl.rows, p.Dv, plan.Dvp,
+                dO + int64_t(g) * tl.rows * plan.Dvp);
+    }
     for (int i = 0; i < tl.rows; ++i) {
       int64_t at = (int64_t(tl.b) * p.Hq + h) * p.Lq + tl.q0 + i;
       float row_lse = plan.bw.lse[at];
@@ -1683,10 +1758,32 @@ void pack_query_item(void* ctx, int64_t rt) {
       delta[g * tl.rows + i] = plan.bw.delta[at];
     }
   }
+  if (plan.bf16_products) pack_query_bf16(plan, tl, qt);
   if (!plan.pairs()) return;
   float* pairs = const_cast<float*>(qt.Q_pairs);  // Dp = D on the decoding path
-  memcpy(pairs, Q, size_t(tl.n()) * p.D * 4);
+  memcpy(pairs, qt.Q, size_t(tl.n()) * p.D * 4);
   for (int rr = 0; rr < tl.n(); ++rr) to_pair_order(pairs + int64_t(rr) * p.D, p.D);
+}
+
+// K and V of a key tile as bfloat16 VNNI pairs (zero padded): Kᵀ and Vᵀ of pairs along the
+// head dim, K of pairs of keys.
+inline void pack_key_bf16(const BackwardPlan& plan, const Tile& tk, const KeyTile& kt) {
+  const Problem& p = plan.bw.p;
+  const int bkp = plan.bkp, dq_cols = plan.dq_cols;
+  uint16_t *KbT = const_cast<uint16_t*>(kt.KbT), *VbT = const_cast<uint16_t*>(kt.VbT);
+  uint16_t* Kb = const_cast<uint16_t*>(kt.Kb);
+  memset(KbT, 0, size_t(plan.key_tile_floats()) * 4);
+  Buffer row_(round_up(imax(p.D, p.Dv), 2) / 2);
+  uint16_t* row = reinterpret_cast<uint16_t*>(row_.p);
+  for (int c = 0; c < tk.cols; ++c) {
+    bf16_row(p.k, tk.b, tk.kv, tk.k0 + c, p.D, row, 1);
+    for (int d = 0; d < p.D; ++d) {
+      KbT[int64_t(d / 2) * bkp * 2 + c * 2 + d % 2] = row[d];
+      Kb[int64_t(c / 2) * dq_cols * 2 + d * 2 + c % 2] = row[d];
+    }
+    bf16_row(p.v, tk.b, tk.kv, tk.k0 + c, p.Dv, row, 1);
+    for (int d = 0; d < p.Dv; ++d) VbT[int64_t(d / 2) * bkp * 2 + c * 2 + d % 2] = row[d];
+  }
 }
 
 void pack_key_item(void* ctx, int64_t rj) {
@@ -1694,34 +1791,46 @@ void pack_key_item(void* ctx, int64_t rj) {
   const Problem& p = plan.bw.p;
   const int r = int(rj / plan.nk), j = int(rj % plan.nk);
   Tile tk = make_tile(p, r, 0, j);
-  const int64_t at = plan.k_tile(r, j), bkp = plan.bkp, ldk = plan.ldk();
-  load_transposed(p.k, p.dtype, tk.b, tk.kv, tk.k0, tk.cols, p.D, ldk, plan.Kt + at * plan.Dp * ldk);
-  load_transposed(p.v, p.dtype, tk.b, tk.kv, tk.k0, tk.cols, p.Dv, ldk, plan.Vt + at * plan.Dvp * ldk);
-  load_rows(p.k, p.dtype, tk.b, tk.kv, tk.k0, tk.cols, bkp, p.D, plan.Dp, plan.K + at * bkp * plan.Dp);
+  KeyTile kt(plan, r, j);
+  if (plan.bf16_products) return pack_key_bf16(plan, tk, kt);
+  const int ldk = plan.ldk();
+  load_transposed(p.k, p.dtype, tk.b, tk.kv, tk.k0, tk.cols, p.D, ldk, const_cast<float*>(kt.Kt));
+  load_transposed(p.v, p.dtype, tk.b, tk.kv, tk.k0, tk.cols, p.Dv, ldk, const_cast<float*>(kt.Vt));
+  load_rows(p.k, p.dtype, tk.b, tk.kv, tk.k0, tk.cols, plan.bkp, p.D, plan.Dp, const_cast<float*>(kt.K));
 }
 
-// S (n x bkp, rows ldk apart) = scale·Q·Kᵀ, rounded as the forward rounded it, so that P is
-// rebuilt against the lse of the same scores. The decoding path sums each q·k along the head dim in vector
-// lanes (bfloat16 ones in pair order); from the products' sums instead, the lse was 7.6e-6
-// off them at scale 7 and dq broke the tolerance rule.
-inline void recompute_scores(const BackwardPlan& plan, const Tile& tj, const QueryTile& qt, const float* Kt,
-                             float* S) {
-  const Problem& p = plan.bw.p;
-  const int n = tj.n(), ldk = plan.ldk();
-  if (!plan.decoding) return gemm_scaled(n, plan.bkp, p.D, rows_of(qt.Q, plan.Dp), Kt, ldk, S, ldk, p.scale);
-  if (p.dtype == qkv::F32) return scores_by_rows<float>(p, tj, n, qt.Q, S, ldk);  // Dp = D here
-  scores_by_rows<uint16_t>(p, tj, n, qt.Q_pairs, S, ldk);
-}
-
-// P = exp(S - lse - lse_lo) in S; dS = P ∘ (dP - delta) ∘ d(modifier) in dP. Kt/Vt are the tile's Kᵀ, Vᵀ.
-inline void probabilities_and_score_grads(const BackwardPlan& plan, const Tile& tj, const QueryTile& qt,
-                                          const float* Kt, const float* Vt, float* S, float* dP) {
+// S = scale·Q·Kᵀ and dP = dO·Vᵀ (n x bkp, rows ldk apart). S is rounded as the forward rounded
+// it, so that P is rebuilt against the lse of the same scores. The decoding path sums each
+// q·k along the head dim in vector lanes (bfloat16 ones in pair order); from the products'
+// sums instead, the lse was 7.6e-6 off them at scale 7 and dq broke the tolerance rule.
+inline void scores_and_dp(const BackwardPlan& plan, const Tile& tj, const QueryTile& qt, const KeyTile& kt,
+                          float* S, float* dP) {
   const Problem& p = plan.bw.p;
   const int n = tj.n(), bkp = plan.bkp, ldk = plan.ldk();
-  recompute_scores(plan, tj, qt, Kt, S);
+#if defined(QKV_AVX512_BF16)
+  if (plan.bf16_products) {  // the bfloat16 forward's products too, scaled after their sums
+    pairs_matmul(plan.pn, bkp, plan.pd, qt.Qb, plan.pd, kt.KbT, S, ldk, false);
+    pairs_matmul(plan.pn, bkp, plan.pdv, qt.dOb, plan.pdv, kt.VbT, dP, ldk, false);
+    const Vec scale = Vec::set1(p.scale);
+    for (int rr = 0; rr < n; ++rr)
+      for (int c = 0; c < bkp; c += W) (Vec::load(S + int64_t(rr) * ldk + c) * scale).store(S + int64_t(rr) * ldk + c);
+    return;
+  }
+#endif
+  if (!plan.decoding) gemm_scaled(n, bkp, p.D, rows_of(qt.Q, plan.Dp), kt.Kt, ldk, S, ldk, p.scale);
+  else if (p.dtype == qkv::F32) scores_by_rows<float>(p, tj, n, qt.Q, S, ldk);  // Dp = D here
+  else scores_by_rows<uint16_t>(p, tj, n, qt.Q_pairs, S, ldk);
+  gemm(n, bkp, p.Dv, rows_of(qt.dO, plan.Dvp), kt.Vt, ldk, dP, ldk, false);
+}
+
+// P = exp(S - lse - lse_lo) in S; dS = P ∘ (dP - delta) ∘ d(modifier) in dP.
+inline void probabilities_and_score_grads(const BackwardPlan& plan, const Tile& tj, const QueryTile& qt,
+                                          const KeyTile& kt, float* S, float* dP) {
+  const Problem& p = plan.bw.p;
+  const int n = tj.n(), bkp = plan.bkp, ldk = plan.ldk();
+  scores_and_dp(plan, tj, qt, kt, S, dP);
   apply_rule(tj, S, ldk, 1);
   for (int rr = 0; rr < n; ++rr) fill(S + int64_t(rr) * ldk + tj.cols, bkp - tj.cols, NEG_INF);  // padding keys
-  gemm(n, bkp, p.Dv, rows_of(qt.dO, plan.Dvp), Vt, ldk, dP, ldk, false);  // dP = dO·Vᵀ
   const float cap = p.mods.softcap;
   for (int rr = 0; rr < n; ++rr) {
     float* s = S + int64_t(rr) * ldk;
@@ -1744,40 +1853,77 @@ inline void probabilities_and_score_grads(const BackwardPlan& plan, const Tile& 
   }
 }
 
-// Rows first_row .. first_row + count of base (n wide) = scale · src's (ld apart).
+// Rows first_row .. first_row + count of base (n wide) = scale · src's (ld apart), or with
+// `transposed` scale · src's columns (src[e * ld + c] for row c).
 inline void store_rows(qkv::DType dtype, void* base, int64_t first_row, int count, int n, const float* src, int ld,
-                       float scale) {
+                       float scale, bool transposed = false) {
+  const int64_t along_row = transposed ? ld : 1, along_column = transposed ? 1 : ld;
   for (int c = 0; c < count; ++c) {
-    const float* s = src + int64_t(c) * ld;
+    const float* s = src + c * along_column;
     if (dtype == qkv::F32) {
       float* d = static_cast<float*>(base) + (first_row + c) * n;
-      for (int e = 0; e < n; ++e) d[e] = s[e] * scale;
+      for (int e = 0; e < n; ++e) d[e] = s[e * along_row] * scale;
     } else {
       uint16_t* d = static_cast<uint16_t*>(base) + (first_row + c) * n;
-      for (int e = 0; e < n; ++e) d[e] = f32_to_bf16(s[e] * scale);
+      for (int e = 0; e < n; ++e) d[e] = f32_to_bf16(s[e * along_row] * scale);
     }
   }
 }
 
-// Scratch of one thread for one (query tile, key tile) pair.
+// Scratch of one thread for one (query tile, key tile) pair: S and dP, and on bfloat16
+// products P and dS rounded to bfloat16 (pn x bkp words each): P and dS in VNNI pairs of
+// query rows, dS in rows.
 struct PairScratch {
-  Buffer S, dP;
+  Buffer S, dP, rounded;
+  uint16_t *P_pairs, *dS_pairs, *dS_rows;
   explicit PairScratch(const BackwardPlan& plan)
-      : S(int64_t(plan.n_max) * plan.ldk()), dP(int64_t(plan.n_max) * plan.ldk()) {}
+      : S(int64_t(plan.pn) * plan.ldk()), dP(int64_t(plan.pn) * plan.ldk()),
+        rounded(plan.bf16_products ? int64_t(plan.pn) * plan.bkp * 3 / 2 : 0) {
+    const int64_t words = int64_t(plan.pn) * plan.bkp;
+    P_pairs = reinterpret_cast<uint16_t*>(rounded.p), dS_pairs = P_pairs + words, dS_rows = dS_pairs + words;
+  }
 };
 
+#if defined(QKV_AVX512_BF16)
+// The gradients' products on bfloat16 pairs: P (in S) and dS (in dP), n rows, rounded to
+// bfloat16 (rows from n to pn as 0), then dQ += dS·K, dVᵀ += dOᵀ·P, dKᵀ += Qᵀ·dS.
+inline void accumulate_bf16_products(const BackwardPlan& plan, int n, const QueryTile& qt, const KeyTile& kt,
+                                     const PairScratch& w, float* dQ, float* dKT, float* dVT) {
+  const int bkp = plan.bkp, ldk = plan.ldk(), pn = plan.pn;
+  uint16_t *P_pairs = w.P_pairs, *dS_pairs = w.dS_pairs, *dS_rows = w.dS_rows;
+  auto row = [&](const float* m, int i, int c) { return i < n ? Vec::load(m + int64_t(i) * ldk + c) : Vec::zero(); };
+  for (int i = 0; i < pn; i += 2)
+    for (int c = 0; c < bkp; c += W) {
+      const Vec p0 = row(w.S.p, i, c), p1 = row(w.S.p, i + 1, c);
+      const Vec ds0 = row(w.dP.p, i, c), ds1 = row(w.dP.p, i + 1, c);
+      const int64_t at = int64_t(i / 2) * bkp * 2 + c * 2;
+      _mm512_storeu_si512(P_pairs + at, bf16_pairs(p0, p1));
+      _mm512_storeu_si512(dS_pairs + at, bf16_pairs(ds0, ds1));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dS_rows + int64_t(i) * bkp + c), (__m256i)_mm512_cvtneps_pbh(ds0.v));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dS_rows + int64_t(i + 1) * bkp + c),
+                          (__m256i)_mm512_cvtneps_pbh(ds1.v));
+    }
+  if (dQ) pairs_matmul(pn, plan.dq_cols, bkp, dS_rows, bkp, kt.Kb, dQ, plan.dq_cols, true);  // dQ += dS·K
+  if (dVT) pairs_matmul(plan.pdv, bkp, pn, qt.dObT, pn, P_pairs, dVT, bkp, true);            // dVᵀ += dOᵀ·P
+  if (dKT) pairs_matmul(plan.pd, bkp, pn, qt.QbT, pn, dS_pairs, dKT, bkp, true);             // dKᵀ += Qᵀ·dS
+}
+#endif
+
 // The gradients one (query tile t, key tile j) pair of row r contributes: dQ_t += dS·K and,
-// where given, dK_j += dSᵀ·Q, dV_j += Pᵀ·dO (dQ and dK are scaled as they are stored).
+// where given, dK_j += dSᵀ·Q, dV_j += Pᵀ·dO (on bfloat16 products dK_jᵀ and dV_jᵀ; dQ and
+// dK are scaled as they are stored).
 inline void accumulate_pair(const BackwardPlan& plan, int r, int t, int j, PairScratch& w, float* dQ, float* dK,
                             float* dV) {
   const Problem& p = plan.bw.p;
   Tile tj = make_tile(p, r, t, j);
-  const int n = tj.n(), bkp = plan.bkp, ldk = plan.ldk();
-  const int64_t at = plan.k_tile(r, j);
+  const int n = tj.n(), ldk = plan.ldk();
   QueryTile qt(plan, r, t);
-  probabilities_and_score_grads(plan, tj, qt, plan.Kt + at * plan.Dp * ldk, plan.Vt + at * plan.Dvp * ldk, w.S.p,
-                                w.dP.p);
-  if (dQ) gemm(n, plan.Dp, tj.cols, rows_of(w.dP.p, ldk), plan.K + at * bkp * plan.Dp, plan.Dp, dQ, plan.Dp, true);
+  KeyTile kt(plan, r, j);
+  probabilities_and_score_grads(plan, tj, qt, kt, w.S.p, w.dP.p);
+#if defined(QKV_AVX512_BF16)
+  if (plan.bf16_products) return accumulate_bf16_products(plan, n, qt, kt, w, dQ, dK, dV);
+#endif
+  if (dQ) gemm(n, plan.Dp, tj.cols, rows_of(w.dP.p, ldk), kt.K, plan.Dp, dQ, plan.Dp, true);
   // Pᵀ and dSᵀ are read in place as transposed operands (no copies)
   if (dV) gemm(tj.cols, plan.Dvp, n, transposed(rows_of(w.S.p, ldk)), qt.dO, plan.Dvp, dV, plan.Dvp, true);  // dV += Pᵀ·dO
   if (dK) gemm(tj.cols, plan.Dp, n, transposed(rows_of(w.dP.p, ldk)), qt.Q, plan.Dp, dK, plan.Dp, true);  // dK += dSᵀ·Q
@@ -1788,7 +1934,7 @@ inline void store_dq(const BackwardPlan& plan, int r, int t, const float* dQ) {
   Tile tl = make_tile(p, r, t, 0);
   for (int rr = 0; rr < tl.n(); ++rr) {
     const int64_t at = (int64_t(tl.b) * p.Hq + tl.head(rr)) * p.Lq + tl.query(rr);
-    store_rows(plan.bw.grads, plan.bw.dq, at, 1, p.D, dQ + int64_t(rr) * plan.Dp, plan.Dp, p.scale);
+    store_rows(plan.bw.grads, plan.bw.dq, at, 1, p.D, dQ + int64_t(rr) * plan.dq_ld(), plan.dq_ld(), p.scale);
   }
 }
 
@@ -1796,8 +1942,9 @@ inline void store_dkdv(const BackwardPlan& plan, int r, int j, const float* dK, 
   const Problem& p = plan.bw.p;
   Tile tk = make_tile(p, r, 0, j);
   const int64_t first = (int64_t(tk.b) * p.Hkv + tk.kv) * p.Lk + tk.k0;
-  store_rows(plan.bw.grads, plan.bw.dk, first, tk.cols, p.D, dK, plan.Dp, p.scale);
-  store_rows(plan.bw.grads, plan.bw.dv, first, tk.cols, p.Dv, dV, plan.Dvp, 1.f);
+  const bool transposed = plan.bf16_products;  // dKᵀ and dVᵀ, bkp apart
+  store_rows(plan.bw.grads, plan.bw.dk, first, tk.cols, p.D, dK, transposed ? plan.bkp : plan.Dp, p.scale, transposed);
+  store_rows(plan.bw.grads, plan.bw.dv, first, tk.cols, p.Dv, dV, transposed ? plan.bkp : plan.Dvp, 1.f, transposed);
 }
 
 // Two passes, for few rows: every (row, query tile) sums its dQ, every (row, key tile) its dK, dV.
@@ -1805,8 +1952,8 @@ void dq_item(void* ctx, int64_t rt) {
   const BackwardPlan& plan = *static_cast<const BackwardPlan*>(ctx);
   const int r = int(rt / plan.nq), t = int(rt % plan.nq);
   PairScratch w(plan);
-  Buffer dQ(int64_t(plan.n_max) * plan.Dp);
-  fill(dQ.p, int64_t(plan.n_max) * plan.Dp, 0.f);
+  Buffer dQ(plan.dq_tile_floats());
+  fill(dQ.p, plan.dq_tile_floats(), 0.f);
   for (int j = 0; j < plan.nk; ++j)
     if (tile_class(plan.bw.p, r, t, j) != qkv::EMPTY) accumulate_pair(plan, r, t, j, w, dQ.p, nullptr, nullptr);
   store_dq(plan, r, t, dQ.p);
@@ -1816,8 +1963,8 @@ void dkdv_item(void* ctx, int64_t rj) {
   const BackwardPlan& plan = *static_cast<const BackwardPlan*>(ctx);
   const int r = int(rj / plan.nk), j = int(rj % plan.nk);
   PairScratch w(plan);
-  Buffer dK(int64_t(plan.bkp) * plan.Dp), dV(int64_t(plan.bkp) * plan.Dvp);
-  fill(dK.p, int64_t(plan.bkp) * plan.Dp, 0.f), fill(dV.p, int64_t(plan.bkp) * plan.Dvp, 0.f);
+  Buffer dK(plan.dk_floats()), dV(plan.dv_floats());
+  fill(dK.p, plan.dk_floats(), 0.f), fill(dV.p, plan.dv_floats(), 0.f);
   for (int t = 0; t < plan.nq; ++t)
     if (tile_class(plan.bw.p, r, t, j) != qkv::EMPTY) accumulate_pair(plan, r, t, j, w, nullptr, dK.p, dV.p);
   store_dkdv(plan, r, j, dK.p, dV.p);
@@ -1828,14 +1975,14 @@ void row_item(void* ctx, int64_t r64) {
   const BackwardPlan& plan = *static_cast<const BackwardPlan*>(ctx);
   const int r = int(r64);
   PairScratch w(plan);
-  const int64_t dq_tile = int64_t(plan.n_max) * plan.Dp;
+  const int64_t dq_tile = plan.dq_tile_floats();
   int slot = 0;  // a free one exists: no more rows run at once than there are threads
   while (__atomic_exchange_n(plan.row_dq_taken + slot, 1, __ATOMIC_ACQUIRE)) slot = (slot + 1) % plan.row_dq_slots;
   float* dQ = plan.row_dq + slot * plan.row_dq_floats();
-  Buffer dK(int64_t(plan.bkp) * plan.Dp), dV(int64_t(plan.bkp) * plan.Dvp);
+  Buffer dK(plan.dk_floats()), dV(plan.dv_floats());
   fill(dQ, plan.row_dq_floats(), 0.f);
   for (int j = 0; j < plan.nk; ++j) {
-    fill(dK.p, int64_t(plan.bkp) * plan.Dp, 0.f), fill(dV.p, int64_t(plan.bkp) * plan.Dvp, 0.f);
+    fill(dK.p, plan.dk_floats(), 0.f), fill(dV.p, plan.dv_floats(), 0.f);
     for (int t = 0; t < plan.nq; ++t)
       if (tile_class(plan.bw.p, r, t, j) != qkv::EMPTY) accumulate_pair(plan, r, t, j, w, dQ + t * dq_tile, dK.p, dV.p);
     store_dkdv(plan, r, j, dK.p, dV.p);
@@ -1850,24 +1997,25 @@ void backward(const Backward& bw) {
   const Problem& p = bw.p;
   if (p.B == 0 || p.Hkv == 0) return;  // no gradient elements
   const int G = p.Hq / p.Hkv, threads = threads_for(p, MIN_PARALLEL_MULTIPLY_ADDS);
+  const bool decoding = decoding_forward(p);
+  const bool bf16_products = BACKWARD_ON_BF16_PRODUCTS && p.dtype == qkv::BF16 && !decoding;
+  const int n_max = G * p.block_q;
   BackwardPlan plan{bw, G, cdiv(p.Lq, p.block_q), cdiv(p.Lk, p.block_k), round_up(p.D, W), round_up(p.Dv, W),
-                    round_up(p.block_k, W), G * p.block_q, decoding_forward(p)};
+                    round_up(p.block_k, bf16_products ? 32 : W), n_max, decoding, bf16_products,
+                    bf16_products ? round_up(n_max, 4) : n_max, round_up(p.D, 4), round_up(p.Dv, 4),
+                    round_up(p.D, 32)};
   const int64_t rows = int64_t(p.B) * p.Hkv, q_tiles = rows * plan.nq, k_tiles = rows * plan.nk;
-  const int q_planes = plan.pairs() ? 2 : 1;  // Q, and Q in pair order
   const bool by_rows = rows >= 4;  // enough rows to share out: each pair once (a shape rule, so threads never change results)
   plan.row_dq_slots = !by_rows ? 0 : rows < threads ? int(rows) : threads;  // at most that many rows at once
-  // 64-byte aligned parts of one workspace: the query side, the key side, the rows' dQ slots
-  // and their flags
-  const int64_t q_side = round_up<int64_t>(q_tiles * plan.n_max * (q_planes * plan.Dp + plan.Dvp + 3), W);
-  const int64_t k_side = round_up<int64_t>(k_tiles * (plan.ldk() * (plan.Dp + plan.Dvp) + plan.bkp * plan.Dp), W);
+  // 64-byte aligned parts of one workspace (a tile's floats are a multiple of W): the query
+  // side (tiles, then lse, lse_lo, delta), the key side, the rows' dQ slots and their flags
+  const int64_t q_tile_floats = plan.query_tile_floats(), k_side = k_tiles * plan.key_tile_floats();
+  const int64_t q_side = round_up<int64_t>(q_tiles * (q_tile_floats + 3 * n_max), W);
   Workspace space(q_side + k_side + plan.row_dq_slots * (plan.row_dq_floats() + 1));
-  plan.Q = space.p, plan.dO = plan.Q + q_tiles * plan.n_max * plan.Dp;
-  plan.lse = plan.dO + q_tiles * plan.n_max * plan.Dvp, plan.lse_lo = plan.lse + q_tiles * plan.n_max;
-  plan.delta = plan.lse_lo + q_tiles * plan.n_max;
-  plan.Q_pairs = plan.delta + q_tiles * plan.n_max;
-  plan.Kt = space.p + q_side, plan.Vt = plan.Kt + k_tiles * plan.Dp * plan.ldk();
-  plan.K = plan.Vt + k_tiles * plan.Dvp * plan.ldk();
-  plan.row_dq = plan.Kt + k_side;
+  plan.query_tiles = space.p, plan.lse = plan.query_tiles + q_tiles * q_tile_floats;
+  plan.lse_lo = plan.lse + q_tiles * n_max, plan.delta = plan.lse_lo + q_tiles * n_max;
+  plan.key_tiles = space.p + q_side;
+  plan.row_dq = plan.key_tiles + k_side;
   plan.row_dq_taken = reinterpret_cast<int*>(plan.row_dq + plan.row_dq_slots * plan.row_dq_floats());
   for (int slot = 0; slot < plan.row_dq_slots; ++slot) plan.row_dq_taken[slot] = 0;
   qkv::parallel_for(q_tiles, threads, pack_query_item, &plan);

@@ -165,6 +165,33 @@ def test_the_backwards_scratch_is_kept_between_calls_and_released_on_request():
     check_gradients("native", (q, k, v), {"mask": qkv.causal()}, np.random.default_rng(0))
 
 
+@pytest.mark.skipif(native.missing() is None and _native_isa() != "avx512bf16",
+                    reason="the backward's bfloat16 products run on VDPBF16PS (avx512bf16) only")
+def test_the_bfloat16_backward_packs_bfloat16_operands_for_its_products():
+    """On VDPBF16PS the bfloat16 backward packs its operands as bfloat16, not float32: the kept
+    block holds that layout's size (and the gradients meet the tolerance rule)."""
+    from qkv.backends.native import kept_memory_bytes, release_kept_memory
+
+    q, k, v = _inputs((1, 8, 4, 256, 256, 64, 64), dtype=torch.bfloat16, grad=True)
+    # per (row, query tile) of 2 x 64 rows: Q, dO, Qᵀ and dOᵀ in bfloat16 (2 bytes) and lse,
+    # lse_lo and delta in float32; per (row, key tile of 128): Kᵀ and Vᵀ in pairs along the
+    # head dim and K in pairs of keys, bfloat16; per thread (2), a row's float32 dQ and a flag
+    needed = 2 * 4 * 4 * 128 * 64 * 4 + 4 * 4 * 4 * 128 * 3 + 2 * 4 * 2 * 128 * 64 * 3 + 4 * 2 * (4 * 128 * 64 + 1)
+    assert release_kept_memory()
+    _run(q, k, v, qkv.causal(), threads=2)
+    assert needed <= kept_memory_bytes() <= needed + 64
+    check_gradients("native", (q, k, v), {"mask": qkv.causal()}, np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("D,Dv", [(1, 1), (40, 24), (80, 128), (256, 256)])
+@pytest.mark.parametrize("B,Hkv", [(1, 1), (2, 2)])  # one row: a pass for dQ, one for dK, dV; four: a pass per row
+def test_bfloat16_gradients_at_every_head_dim(D, Dv, B, Hkv):
+    """bfloat16 gradients against the oracle where the backward pads its bfloat16 operands
+    (head dims to 4 and dQ's columns to 32, an odd count of query rows) and crosses tiles."""
+    q, k, v = _inputs((B, 2 * Hkv, Hkv, 67, 150, D, Dv), dtype=torch.bfloat16, grad=True)
+    check_gradients("native", (q, k, v), {"mask": qkv.causal()}, np.random.default_rng(D))
+
+
 def test_measured_peak_memory_counts_the_kept_block(monkeypatch):
     """qkv bench's peak memory frees the kept block before the measured call, so the block
     counts as that call's growth; left kept, it was resident already and counted nothing."""

@@ -247,18 +247,20 @@ YARDSTICKS = (MEMORY_READ, ARITHMETIC_PEAK)
 
 def _peak_dtype(w: Workload) -> str | None:
     """The arithmetic of the native kernel's products in a compute workload: 'float32' for FMAs
-    (float32 inputs, bfloat16 ones widened where the CPU has no bfloat16 dot products, and every
-    backward, which multiplies in float32), 'bfloat16' for a bfloat16 forward on VDPBF16PS pairs;
-    None where the kernel does not run the workload here, or multiplies on AMX tiles, which
-    this loop does not measure."""
+    (float32 inputs, bfloat16 ones widened where the CPU has no bfloat16 dot products, and the
+    backward on AMX machines, which multiplies in float32), 'bfloat16' for bfloat16 forwards and
+    backwards on VDPBF16PS pairs; None where the kernel does not run the workload here, or
+    multiplies on AMX tiles, which this loop does not measure."""
     from .backends import native
 
     backend = dispatch.REGISTRY["native"]
     if w.device != "cpu" or w.decoding or backend.missing() or w.dtype not in backend.caps.dtypes:
         return None
     isa = native._native.isa()
-    if w.dtype == "bfloat16" and not w.backward and isa in ("avx512bf16", "amx"):
-        return "bfloat16" if isa == "avx512bf16" else None
+    if w.dtype == "bfloat16" and isa == "avx512bf16":
+        return "bfloat16"
+    if w.dtype == "bfloat16" and not w.backward and isa == "amx":
+        return None
     return None if isa == "amx" and backend.float32_on_amx else "float32"
 
 
