@@ -99,6 +99,7 @@ def default_suite() -> list[Workload]:
         Workload("fwd bf16", 1, 8, 8, 4096, 4096, 64, dtype="bfloat16"),
         Workload("fwd causal fp32", 1, 8, 8, 4096, 4096, 64, causal=True),
         Workload("fwd+bwd fp32", 1, 8, 8, 4096, 4096, 64, backward=True),
+        Workload("fwd+bwd bf16", 1, 8, 8, 4096, 4096, 64, dtype="bfloat16", backward=True),
         Workload("decode GQA 32/8 fp32", 1, 32, 8, 1, 32768, 128),
         Workload("decode GQA 32/8 bf16", 1, 32, 8, 1, 32768, 128, dtype="bfloat16"),
     ]
