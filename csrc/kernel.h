@@ -1803,17 +1803,15 @@ void pack_key_item(void* ctx, int64_t rj) {
 // it, so that P is rebuilt against the lse of the same scores. The decoding path sums each
 // q·k along the head dim in vector lanes (bfloat16 ones in pair order); from the products'
 // sums instead, the lse was 7.6e-6 off them at scale 7 and dq broke the tolerance rule.
+// bfloat16 products leave S unscaled (pn rows).
 inline void scores_and_dp(const BackwardPlan& plan, const Tile& tj, const QueryTile& qt, const KeyTile& kt,
                           float* S, float* dP) {
   const Problem& p = plan.bw.p;
   const int n = tj.n(), bkp = plan.bkp, ldk = plan.ldk();
 #if defined(QKV_AVX512_BF16)
-  if (plan.bf16_products) {  // the bfloat16 forward's products too, scaled after their sums
+  if (plan.bf16_products) {  // the bfloat16 forward's products too
     pairs_matmul(plan.pn, bkp, plan.pd, qt.Qb, plan.pd, kt.KbT, S, ldk, false);
     pairs_matmul(plan.pn, bkp, plan.pdv, qt.dOb, plan.pdv, kt.VbT, dP, ldk, false);
-    const Vec scale = Vec::set1(p.scale);
-    for (int rr = 0; rr < n; ++rr)
-      for (int c = 0; c < bkp; c += W) (Vec::load(S + int64_t(rr) * ldk + c) * scale).store(S + int64_t(rr) * ldk + c);
     return;
   }
 #endif
@@ -1823,15 +1821,18 @@ inline void scores_and_dp(const BackwardPlan& plan, const Tile& tj, const QueryT
   gemm(n, bkp, p.Dv, rows_of(qt.dO, plan.Dvp), kt.Vt, ldk, dP, ldk, false);
 }
 
-// P = exp(S - lse - lse_lo) in S; dS = P ∘ (dP - delta) ∘ d(modifier) in dP.
-inline void probabilities_and_score_grads(const BackwardPlan& plan, const Tile& tj, const QueryTile& qt,
-                                          const KeyTile& kt, float* S, float* dP) {
-  const Problem& p = plan.bw.p;
-  const int n = tj.n(), bkp = plan.bkp, ldk = plan.ldk();
-  scores_and_dp(plan, tj, qt, kt, S, dP);
+// The tile's rule (modifiers, mask) on its scaled scores S, and -inf for its padding keys.
+inline void rule_and_padding(const BackwardPlan& plan, const Tile& tj, float* S) {
+  const int ldk = plan.ldk();
   apply_rule(tj, S, ldk, 1);
-  for (int rr = 0; rr < n; ++rr) fill(S + int64_t(rr) * ldk + tj.cols, bkp - tj.cols, NEG_INF);  // padding keys
-  const float cap = p.mods.softcap;
+  for (int rr = 0; rr < tj.n(); ++rr) fill(S + int64_t(rr) * ldk + tj.cols, plan.bkp - tj.cols, NEG_INF);
+}
+
+// P = exp(S - lse - lse_lo) in S; dS = P ∘ (dP - delta) ∘ d(modifier) in dP.
+inline void probabilities_and_score_grads(const BackwardPlan& plan, const Tile& tj, const QueryTile& qt, float* S,
+                                          float* dP) {
+  const int n = tj.n(), bkp = plan.bkp, ldk = plan.ldk();
+  const float cap = plan.bw.p.mods.softcap;
   for (int rr = 0; rr < n; ++rr) {
     float* s = S + int64_t(rr) * ldk;
     float* dp = dP + int64_t(rr) * ldk;
@@ -1885,27 +1886,70 @@ struct PairScratch {
 };
 
 #if defined(QKV_AVX512_BF16)
-// The gradients' products on bfloat16 pairs: P (in S) and dS (in dP), n rows, rounded to
-// bfloat16 (rows from n to pn as 0), then dQ += dS·K, dVᵀ += dOᵀ·P, dKᵀ += Qᵀ·dS.
-inline void accumulate_bf16_products(const BackwardPlan& plan, int n, const QueryTile& qt, const KeyTile& kt,
-                                     const PairScratch& w, float* dQ, float* dKT, float* dVT) {
-  const int bkp = plan.bkp, ldk = plan.ldk(), pn = plan.pn;
-  uint16_t *P_pairs = w.P_pairs, *dS_pairs = w.dS_pairs, *dS_rows = w.dS_rows;
-  auto row = [&](const float* m, int i, int c) { return i < n ? Vec::load(m + int64_t(i) * ldk + c) : Vec::zero(); };
-  for (int i = 0; i < pn; i += 2)
-    for (int c = 0; c < bkp; c += W) {
-      const Vec p0 = row(w.S.p, i, c), p1 = row(w.S.p, i + 1, c);
-      const Vec ds0 = row(w.dP.p, i, c), ds1 = row(w.dP.p, i + 1, c);
-      const int64_t at = int64_t(i / 2) * bkp * 2 + c * 2;
-      _mm512_storeu_si512(P_pairs + at, bf16_pairs(p0, p1));
-      _mm512_storeu_si512(dS_pairs + at, bf16_pairs(ds0, ds1));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dS_rows + int64_t(i) * bkp + c), (__m256i)_mm512_cvtneps_pbh(ds0.v));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dS_rows + int64_t(i + 1) * bkp + c),
-                          (__m256i)_mm512_cvtneps_pbh(ds1.v));
+// P and dS of n rows as the bfloat16 operands of the gradients' products, in w: P and dS in
+// VNNI pairs of query rows, dS in rows (rows n to pn are 0). FROM_SCORES: from the scores S
+// (times `scale`, 1 where they are scaled already) and dP, P = exp(scale·S - lse - lse_lo)
+// and dS = P ∘ (dP - delta), in the same pass; else S and dP hold P and dS.
+template <bool FROM_SCORES>
+inline void round_to_bf16(const BackwardPlan& plan, int n, const QueryTile& qt, const float* S, const float* dP,
+                          float scale, const PairScratch& w) {
+  const int bkp = plan.bkp, ldk = plan.ldk();
+  const Vec scaled = Vec::set1(scale);
+  for (int i = 0; i < plan.pn; i += 2) {
+    const bool live[2] = {i < n, i + 1 < n};
+    Vec neg_lse[2], lse_lo[2], delta[2];
+    for (int u = 0; u < 2; ++u) {
+      neg_lse[u] = Vec::set1(live[u] ? -qt.lse[i + u] : 0.f);
+      lse_lo[u] = Vec::set1(live[u] ? qt.lse_lo[i + u] : 0.f), delta[u] = Vec::set1(live[u] ? qt.delta[i + u] : 0.f);
     }
-  if (dQ) pairs_matmul(pn, plan.dq_cols, bkp, dS_rows, bkp, kt.Kb, dQ, plan.dq_cols, true);  // dQ += dS·K
-  if (dVT) pairs_matmul(plan.pdv, bkp, pn, qt.dObT, pn, P_pairs, dVT, bkp, true);            // dVᵀ += dOᵀ·P
-  if (dKT) pairs_matmul(plan.pd, bkp, pn, qt.QbT, pn, dS_pairs, dKT, bkp, true);             // dKᵀ += Qᵀ·dS
+    for (int c = 0; c < bkp; c += W) {
+      Vec prob[2], ds[2];
+#pragma GCC unroll 2
+      for (int u = 0; u < 2; ++u) {
+        const int64_t at = int64_t(i + u) * ldk + c;
+        if (!live[u]) {
+          prob[u] = ds[u] = Vec::zero();
+        } else if (FROM_SCORES) {
+          prob[u] = Vec::exp(Vec::fma(Vec::load(S + at), scaled, neg_lse[u]) - lse_lo[u]);
+          ds[u] = prob[u] * (Vec::load(dP + at) - delta[u]);
+        } else {
+          prob[u] = Vec::load(S + at), ds[u] = Vec::load(dP + at);
+        }
+      }
+      const int64_t pair_at = int64_t(i / 2) * bkp * 2 + c * 2;
+      _mm512_storeu_si512(w.P_pairs + pair_at, bf16_pairs(prob[0], prob[1]));
+      _mm512_storeu_si512(w.dS_pairs + pair_at, bf16_pairs(ds[0], ds[1]));
+      for (int u = 0; u < 2; ++u)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(w.dS_rows + int64_t(i + u) * bkp + c),
+                            (__m256i)_mm512_cvtneps_pbh(ds[u].v));
+    }
+  }
+}
+
+// One pair's gradients on bfloat16 pairs, from S = Q·Kᵀ and dP in w: P and dS rounded to
+// bfloat16, then dQ += dS·K, dVᵀ += dOᵀ·P, dKᵀ += Qᵀ·dS. The scale goes into P's exponent
+// where nothing else reads the scores (no modifier, no mask on the tile, no padding keys).
+inline void accumulate_bf16_products(const BackwardPlan& plan, const Tile& tj, const QueryTile& qt,
+                                     const KeyTile& kt, const PairScratch& w, float* dQ, float* dKT, float* dVT) {
+  const Problem& p = plan.bw.p;
+  const int bkp = plan.bkp, ldk = plan.ldk(), pn = plan.pn, n = tj.n();
+  if (rule_keeps_scores(tj) && tj.cols == bkp) {
+    round_to_bf16<true>(plan, n, qt, w.S.p, w.dP.p, p.scale, w);
+  } else {
+    const Vec scale = Vec::set1(p.scale);
+    for (int rr = 0; rr < n; ++rr)
+      for (int c = 0; c < bkp; c += W) (Vec::load(w.S.p + int64_t(rr) * ldk + c) * scale).store(w.S.p + int64_t(rr) * ldk + c);
+    rule_and_padding(plan, tj, w.S.p);
+    if (p.mods.softcap > 0) {  // its own pass, as on the FMA units
+      probabilities_and_score_grads(plan, tj, qt, w.S.p, w.dP.p);
+      round_to_bf16<false>(plan, n, qt, w.S.p, w.dP.p, 1.f, w);
+    } else {
+      round_to_bf16<true>(plan, n, qt, w.S.p, w.dP.p, 1.f, w);
+    }
+  }
+  if (dQ) pairs_matmul(pn, plan.dq_cols, bkp, w.dS_rows, bkp, kt.Kb, dQ, plan.dq_cols, true);  // dQ += dS·K
+  if (dVT) pairs_matmul(plan.pdv, bkp, pn, qt.dObT, pn, w.P_pairs, dVT, bkp, true);            // dVᵀ += dOᵀ·P
+  if (dKT) pairs_matmul(plan.pd, bkp, pn, qt.QbT, pn, w.dS_pairs, dKT, bkp, true);             // dKᵀ += Qᵀ·dS
 }
 #endif
 
@@ -1919,10 +1963,12 @@ inline void accumulate_pair(const BackwardPlan& plan, int r, int t, int j, PairS
   const int n = tj.n(), ldk = plan.ldk();
   QueryTile qt(plan, r, t);
   KeyTile kt(plan, r, j);
-  probabilities_and_score_grads(plan, tj, qt, kt, w.S.p, w.dP.p);
+  scores_and_dp(plan, tj, qt, kt, w.S.p, w.dP.p);
 #if defined(QKV_AVX512_BF16)
-  if (plan.bf16_products) return accumulate_bf16_products(plan, n, qt, kt, w, dQ, dK, dV);
+  if (plan.bf16_products) return accumulate_bf16_products(plan, tj, qt, kt, w, dQ, dK, dV);
 #endif
+  rule_and_padding(plan, tj, w.S.p);
+  probabilities_and_score_grads(plan, tj, qt, w.S.p, w.dP.p);
   if (dQ) gemm(n, plan.Dp, tj.cols, rows_of(w.dP.p, ldk), kt.K, plan.Dp, dQ, plan.Dp, true);
   // Pᵀ and dSᵀ are read in place as transposed operands (no copies)
   if (dV) gemm(tj.cols, plan.Dvp, n, transposed(rows_of(w.S.p, ldk)), qt.dO, plan.Dvp, dV, plan.Dvp, true);  // dV += Pᵀ·dO
