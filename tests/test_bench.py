@@ -127,6 +127,36 @@ def test_shape_workloads_are_named_by_what_they_run(tmp_path):
     assert names == {"fwd+bwd causal float32 B=1 H=2 L=64 D=16"}
 
 
+def test_sweep_writes_a_plot_of_every_implementation_against_the_length(tmp_path, monkeypatch):
+    """--sweep --plot: the length sweep runs (here two short lengths) and its rates become one
+    line per implementation in a PNG."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.image
+    import matplotlib.pyplot as plt
+
+    lengths = (64, 128)
+    monkeypatch.setattr(bench, "sweep_suite", lambda: [bench.Workload(f"fwd fp32 L={n}", 1, 2, 2, n, n, 16)
+                                                       for n in lengths])
+    drawn = {}
+    savefig = plt.Figure.savefig
+
+    def keep_lines(fig, path, **kwargs):
+        drawn.update({line.get_label(): list(line.get_xdata()) for line in fig.axes[0].get_lines()})
+        return savefig(fig, path, **kwargs)
+
+    monkeypatch.setattr(plt.Figure, "savefig", keep_lines)
+    png, out = tmp_path / "sweep.png", tmp_path / "sweep.json"
+    assert cli.main(["bench", "--shape", "1,2,32,16", "--sweep", "--plot", str(png), "--json", str(out),
+                     "--repeats", "1", "--no-peers"]) == 0
+    swept = {r["impl"] for r in json.loads(out.read_text())["results"]
+             if r["workload"].startswith("fwd fp32 L=") and r["rate"]}
+    assert "torch sdpa" in swept and set(drawn) == swept
+    assert all(xs == list(lengths) for xs in drawn.values())
+    height, width = matplotlib.image.imread(png).shape[:2]
+    assert (width, height) == (840, 480)  # 7 x 4 inches at 120 dpi
+
+
 def test_gpu_suite_covers_head_dims_lengths_masks_and_directions():
     suite = bench.gpu_suite()
     assert {w.D for w in suite} == {64, 128}
