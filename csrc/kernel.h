@@ -128,6 +128,12 @@ inline float element(const Strided4& t, qkv::DType dt, int64_t off) {
                         : bf16_to_f32(static_cast<const uint16_t*>(t.data)[off]);
 }
 
+// Row l of bfloat16 t[b, h], its bits: row[d * step] = t[b, h, l, d] for d < n.
+inline void bf16_row(const Strided4& t, int b, int h, int l, int n, uint16_t* row, int64_t step) {
+  const uint16_t* src = static_cast<const uint16_t*>(t.data) + b * t.s0 + h * t.s1 + int64_t(l) * t.s2;
+  for (int d = 0; d < n; ++d) row[d * step] = src[d * t.s3];
+}
+
 // dst[0:n] = t[b, h, l, 0:n]; dst[n:padded] = 0
 inline void load_vector(const Strided4& t, qkv::DType dt, int b, int h, int l, int n, int padded, float* dst) {
   int64_t base = b * t.s0 + h * t.s1 + l * t.s2;
@@ -912,11 +918,7 @@ inline uint16_t bits(const Strided4& t, int64_t off) { return static_cast<const 
 // A bfloat16 row is its own one part: its bits are copied.
 inline void split_input_row(const Strided4& t, qkv::DType dt, int b, int h, int l, int n, int parts, float* tmp,
                             uint16_t* row) {
-  if (dt == qkv::BF16 && parts == 1) {
-    const int64_t base = b * t.s0 + h * t.s1 + l * t.s2;
-    for (int d = 0; d < n; ++d) row[d] = bits(t, base + d * t.s3);
-    return;
-  }
+  if (dt == qkv::BF16 && parts == 1) return bf16_row(t, b, h, l, n, row, 1);
   load_vector(t, dt, b, h, l, n, n, tmp);
   split_row(tmp, n, parts, row);
 }
@@ -1713,12 +1715,6 @@ struct KeyTile {
   }
 };
 
-// Row l of t[b, h] as bfloat16: row[d * step] = t[b, h, l, d] for d < n.
-inline void bf16_row(const Strided4& t, int b, int h, int l, int n, uint16_t* row, int64_t step) {
-  const uint16_t* src = static_cast<const uint16_t*>(t.data) + b * t.s0 + h * t.s1 + int64_t(l) * t.s2;
-  for (int d = 0; d < n; ++d) row[d * step] = src[d * t.s3];
-}
-
 // Q and dO of a query tile as bfloat16 rows and their transposes (zero padded).
 inline void pack_query_bf16(const BackwardPlan& plan, const Tile& tl, const QueryTile& qt) {
   const Problem& p = plan.bw.p;
@@ -1936,9 +1932,7 @@ inline void accumulate_bf16_products(const BackwardPlan& plan, const Tile& tj, c
   if (rule_keeps_scores(tj) && tj.cols == bkp) {
     round_to_bf16<true>(plan, n, qt, w.S.p, w.dP.p, p.scale, w);
   } else {
-    const Vec scale = Vec::set1(p.scale);
-    for (int rr = 0; rr < n; ++rr)
-      for (int c = 0; c < bkp; c += W) (Vec::load(w.S.p + int64_t(rr) * ldk + c) * scale).store(w.S.p + int64_t(rr) * ldk + c);
+    scale_tile(w.S.p, n, ldk, p.scale);  // n rows, their unread ends past bkp too
     rule_and_padding(plan, tj, w.S.p);
     if (p.mods.softcap > 0) {  // its own pass, as on the FMA units
       probabilities_and_score_grads(plan, tj, qt, w.S.p, w.dP.p);
