@@ -272,3 +272,84 @@ def test_a_broadcast_bfloat16_bias_is_read_in_place():
         pytest.skip(dispatch.REGISTRY["native"].missing())
     grown = run_measured(BIAS_SCRIPT, timeout=600)["grown"]
     assert grown < 16 * 2**20, f"peak grew by {grown / 2**20:.1f} MiB"
+
+
+NO_COPY_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import qkv
+    from qkv._memory import peak_growth
+    kind, dtype, layout, path = sys.argv[1:5]
+    # decoding: 32 query heads over 8 KV heads; tiles: 256 queries, too many for the decoding path
+    hq, hkv, lq, lk, d = (32, 8, 1, 65536, 128) if path == "decoding" else (4, 4, 256, 262144, 64)
+    rng = np.random.default_rng(0)
+    def make(heads, length):  # (B, H, L, D): contiguous, or a view of a (B, L, H, D) array
+        shape = (1, length, heads, d) if layout == "blhd" else (1, heads, length, d)
+        x = rng.standard_normal(shape, dtype=np.float32)
+        if kind == "torch":
+            import torch
+            x = torch.from_numpy(x).to(getattr(torch, dtype))
+        return x.transpose(1, 2) if kind == "torch" and layout == "blhd" else \\
+            x.transpose(0, 2, 1, 3) if layout == "blhd" else x
+    q, k, v = make(hq, lq), make(hkv, lk), make(hkv, lk)
+    qkv.attention(q[:, :, :8], k[:, :, :300], v[:, :, :300], backend="native")  # warm up
+    out, grown, how = peak_growth(lambda: qkv.attention(q, k, v, backend="native"))
+    out_bytes = out.nbytes if kind == "numpy" else out.numel() * out.element_size()
+    kv_bytes = k.nbytes if kind == "numpy" else k.numel() * k.element_size()
+    said = qkv.explain(q, k, v, backend="native").workspace_bytes
+    print(json.dumps({"grown": grown - out_bytes, "kv": kv_bytes, "said": said, "how": how}))
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the peak from /proc/self/status")
+@pytest.mark.parametrize("kind,dtype,layout,path", [
+    ("numpy", "float32", "bhld", "decoding"), ("torch", "float32", "blhd", "decoding"),
+    ("torch", "bfloat16", "bhld", "tiles"), ("numpy", "float32", "blhd", "tiles")])
+def test_the_native_kernel_reads_its_inputs_in_place(kind, dtype, layout, path):
+    """No copy of K or V (128 or 256 MiB here) on either path: NumPy arrays and torch tensors,
+    contiguous or a (B, L, H, D) layout's strided view, grouped heads read from their KV head.
+    The peak grows by the kernel's own workspace only, as explain counts it."""
+    if kind == "torch":
+        pytest.importorskip("torch")
+    from qkv import dispatch
+
+    if dispatch.REGISTRY["native"].missing():
+        pytest.skip(dispatch.REGISTRY["native"].missing())
+    report = run_measured(NO_COPY_SCRIPT, kind, dtype, layout, path, timeout=300)
+    assert report["kv"] >= 128 * 2**20
+    assert report["grown"] <= report["said"], report  # explain counts all it holds
+    # bfloat16 products on the tiles read Vᵀ packed once into bfloat16 pairs: that one copy, no other
+    packed_values = report["kv"] if (dtype, path) == ("bfloat16", "tiles") else 0
+    assert report["grown"] - packed_values < 16 * 2**20, f"peak grew by {report['grown'] / 2**20:.1f} MiB"
+
+
+BACKWARD_SCRIPT = textwrap.dedent("""
+    import json
+    import torch
+    import qkv
+    from qkv._memory import peak_growth
+    L = 32768
+    q, k, v = (torch.randn(1, 1, L, 64, requires_grad=True) for _ in range(3))
+    dout = torch.randn(1, 1, L, 64)
+    def step(n):  # forward and backward, then the gradients' own bytes
+        out = qkv.attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], qkv.causal())
+        chosen = qkv.explain(q[:, :, :n], k[:, :, :n], v[:, :, :n], qkv.causal()).backend
+        out.backward(dout[:, :, :n])
+        return chosen, 4 * out.nbytes  # out, dq, dk and dv
+    step(300)  # warm up thread pools and libraries
+    for x in (q, k, v):
+        x.grad = None
+    (chosen, held), grown, how = peak_growth(lambda: step(L))
+    finite = all(bool(x.grad.isfinite().all()) for x in (q, k, v))
+    print(json.dumps({"grown": grown - held, "backend": chosen, "finite": finite, "how": how}))
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the peak from /proc/self/status")
+def test_the_backward_stays_linear_in_memory():
+    """Causal forward and backward over 32768 tokens through the automatic backend: the plain
+    formula's backward would hold 4 GiB of probabilities and as much again of their gradient."""
+    pytest.importorskip("torch")
+    report = run_measured(BACKWARD_SCRIPT, timeout=600)
+    assert report["finite"] and report["backend"] != "reference"
+    assert report["grown"] < LIMIT, f"{report['backend']}: peak grew by {report['grown'] / 2**20:.1f} MiB"
