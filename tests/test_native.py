@@ -383,6 +383,32 @@ def test_every_instruction_set_variant(isa):
     assert nan_propagates == "True"
 
 
+# The kernel's numerical tests, run again on each instruction set below the best one here (the
+# suite's own run checks that one). Left out: tests of the process (forks, threads, peak memory,
+# imports, the instruction-set choice itself, this test), which do not depend on the variant.
+KERNEL_TEST_FILES = ["test_native.py", "test_gradients.py", "test_tiles.py", "test_many_tiles.py",
+                     "test_correctness.py", "test_masks.py", "test_properties.py"]
+PROCESS_TESTS = ("forked", "peak_memory", "instruction_set", "isa_request", "without_the_native", "torch_threads")
+
+
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
+def test_the_kernel_tests_pass_on_each_lower_instruction_set(isa):
+    """Gradients, tiles, masks, strides and the randomized differential test on each variant's
+    own code (vector width, FMA or bfloat16 products): the smoke test above covers only a few."""
+    unforced = {name: value for name, value in os.environ.items() if name != "QKV_ISA"}
+    best = _run_script("from qkv import _native; print(_native.isa())", env=unforced).strip()
+    if ISA_ORDER.index(isa) >= ISA_ORDER.index(best):
+        pytest.skip(f"{isa} is not below this CPU's best kernel ({best}), which the suite runs")
+    selection = f"native and not ({' or '.join(PROCESS_TESTS)})"
+    tests = os.path.dirname(__file__)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", selection,
+                           *KERNEL_TEST_FILES], cwd=tests, capture_output=True, text=True, timeout=600,
+                          env={**unforced, "QKV_ISA": isa})
+    summary = done.stdout.strip().splitlines()[-1]
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    assert int(summary.split(" passed")[0].split()[-1]) >= 400, summary  # the selection is what it was
+
+
 @pytest.mark.parametrize("asked, runs, warning", [
     (" Generic", "generic", None),  # any case, spaces ignored
     ("gen eric", "generic", None),  # inside the name too, as the kernel reads it (Python used to warn)
