@@ -1,4 +1,5 @@
 """`qkv bench`: it measures what it says, on tiny shapes (timings are never asserted)."""
+import importlib.util
 import json
 import os
 import statistics
@@ -329,3 +330,25 @@ def test_torch_sdpa_is_asked_for_gqa_only_where_heads_are_grouped(Hkv, passed, m
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, k, v, **kw: calls.append(kw))
     bench._torch_sdpa_impl(bench.Workload("w", 1, 2, Hkv, 4, 4, 8))()()
     assert calls == [passed]
+
+
+FLEX = "torch flex (compiled)"
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "forward+backward"])
+def test_the_flex_peer_runs_compiled_on_the_cpu_and_its_output_is_checked(tmp_path, backward):
+    """torch.compile'd flex_attention with a causal block mask over grouped heads: the output is
+    checked against float64 like every row's, or the row carries flex's own error (torch 2.13's
+    flex has no CPU backward), and the other rows run on."""
+    if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
+        pytest.skip("this torch has no flex_attention")
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--shape", "1,4,2,128,128,32", "--causal", "--repeats", "1", "--json", str(out)]
+    assert cli.main(argv + (["--backward"] if backward else [])) == 0
+    rows = {r["impl"]: r for r in json.loads(out.read_text())["results"]}
+    flex = rows[FLEX]
+    if flex["error"] is None:
+        assert flex["check"] == "ok" and flex["rate"] > 0 and flex["ratio_to_torch"] > 0
+    else:
+        assert backward and "backward" in flex["error"] and flex["check"] is None, flex
+    assert rows["torch sdpa"]["check"] == "ok"
