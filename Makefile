@@ -35,7 +35,8 @@ sanitize:
 		--config-settings=build-dir=build/asan ".[dev]"
 	cd tests && LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 		ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
-		../$(ASAN_VENV)/bin/python -m pytest -q -p no:cacheprovider test_native.py test_tiles.py test_gradients.py -k native
+		../$(ASAN_VENV)/bin/python -m pytest -q -p no:cacheprovider test_native.py test_tiles.py test_gradients.py \
+		test_many_tiles.py test_correctness.py test_masks.py test_properties.py -k native
 
 # On a machine with an NVIDIA GPU: the triton backend's tests compiled for the GPU, then the
 # GPU benchmark table (qkv triton against torch's flash SDPA and flex_attention), also as JSON.
