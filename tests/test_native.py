@@ -123,6 +123,18 @@ def test_bitwise_identical_across_threads_and_calls(shape, dtype, unit, mask):
         assert torch.equal(a, b) and torch.equal(b, c)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch,kv_heads", [(1, 1), (3, 1), (1, 5), (2, 4)])
+def test_the_backward_shares_rows_between_its_passes_without_changing_the_bits(batch, kv_heads, dtype):
+    """The backward runs the rows that share out evenly over the threads in one pass and the
+    rest in two (each pair twice, every thread busy): with 1, 2 and 3 threads, 1, 3, 5 and 8
+    rows split differently between the passes, and every output and gradient keeps its bits."""
+    q, k, v = _inputs((batch, 2 * kv_heads, kv_heads, 150, 230, 48, 32), dtype, grad=True)
+    one, two, three = (_run(q, k, v, qkv.causal(), threads=n) for n in (1, 2, 3))
+    for a, b, c in zip(one, two, three):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
 def test_results_do_not_depend_on_earlier_calls():
     """The kernel's scratch memory is a per-thread stack kept between calls, left as the last
     call wrote it: every shape, run after the others in two orders (the stack grows at
