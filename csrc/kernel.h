@@ -1958,7 +1958,7 @@ __attribute__((noinline))
 __attribute__((noinline, noclone))
 #endif
 void accumulate_pair(const BackwardPlan& plan, int r, int t, int j, PairScratch& w, float* dQ, float* dK,
-                            float* dV) {
+                     float* dV) {
   const Problem& p = plan.bw.p;
   Tile tj = make_tile(p, r, t, j);
   const int n = tj.n(), ldk = plan.ldk();

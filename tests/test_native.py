@@ -416,8 +416,8 @@ def test_the_kernel_tests_pass_on_each_lower_instruction_set(isa):
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", selection,
                            *KERNEL_TEST_FILES], cwd=tests, capture_output=True, text=True, timeout=600,
                           env={**unforced, "QKV_ISA": isa})
-    summary = done.stdout.strip().splitlines()[-1]
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    summary = done.stdout.strip().splitlines()[-1]
     assert int(summary.split(" passed")[0].split()[-1]) >= 400, summary  # the selection is what it was
 
 
