@@ -6,8 +6,10 @@
 // Forward, per work item (row r, query tile t, key split s):
 //   Q tile (n = G*bq rows) against each non-EMPTY key tile:
 //   S = scale·(Q·Kᵀ) -> modifiers -> mask (PARTIAL tiles only) -> online softmax (m, l) -> acc += P·V.
-// Backward recomputes P = exp(S - lse - lse_lo) tile by tile: one pass per query tile for dQ and
-// one per key tile for dK and dV, so no two threads ever add into the same memory.
+// Backward recomputes P = exp(S - lse - lse_lo) tile by tile. A (batch, KV head) row runs on one
+// thread in one pass (each pair adds to dQ, dK and dV), or, for the rows left when the others
+// share out evenly over the threads, in one pass per query tile for dQ and one per key tile for
+// dK and dV; either way no two threads ever add into the same memory.
 #pragma once
 #include <math.h>
 #include <stdlib.h>

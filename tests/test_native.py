@@ -196,7 +196,8 @@ def test_the_bfloat16_backward_packs_bfloat16_operands_for_its_products():
 
 
 @pytest.mark.parametrize("D,Dv", [(1, 1), (40, 24), (80, 128), (256, 256)])
-@pytest.mark.parametrize("B,Hkv", [(1, 1), (2, 2)])  # one row: a pass for dQ, one for dK, dV; four: a pass per row
+# on two threads, one row: a pass for dQ, one for dK and dV; four rows: one pass a row
+@pytest.mark.parametrize("B,Hkv", [(1, 1), (2, 2)])
 def test_bfloat16_gradients_at_every_head_dim(D, Dv, B, Hkv):
     """bfloat16 gradients against the oracle where the backward pads its bfloat16 operands
     (head dims to 4 and dQ's columns to 32, an odd count of query rows) and crosses tiles."""
